@@ -1,0 +1,47 @@
+"""hf_moe: turn any Hugging Face causal LM into a Mixture-of-Experts model, and train it.
+
+Importing the package registers the `hf_moe` model type with transformers' Auto classes, so
+`AutoModelForCausalLM.from_pretrained(dir)` loads a saved MoE model.
+"""
+
+__version__ = "0.1.0"
+
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import MergeModulelist, WeightConverter
+
+from .checkpoint import EXPERT_PARAM_NAMES, CheckpointError
+from .configuration import MoEConfig
+from .convert.adapters import NoMLPFoundError
+from .convert.api import convert_to_moe
+from .layers import Experts, SparseMoeBlock, TopKRouter
+from .losses import load_balancing_loss
+from .modeling import MoEForCausalLM
+from .training import trainer_compat
+
+AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
+AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
+# On disk each expert has its own tensors (`...experts.3.down_proj`); in memory they are stacked into one
+# [E, ...] parameter (`...experts.down_proj`). transformers' loader does the stacking.
+register_checkpoint_conversion_mapping(
+    MoEConfig.model_type,
+    [
+        WeightConverter(f"experts.*.{name}", f"experts.{name}", operations=[MergeModulelist(dim=0)])
+        for name in EXPERT_PARAM_NAMES
+    ],
+    overwrite=True,
+)
+trainer_compat.install()
+
+__all__ = [
+    "CheckpointError",
+    "Experts",
+    "MoEConfig",
+    "MoEForCausalLM",
+    "NoMLPFoundError",
+    "SparseMoeBlock",
+    "TopKRouter",
+    "__version__",
+    "convert_to_moe",
+    "load_balancing_loss",
+]

@@ -1,0 +1,95 @@
+"""`hf-moe convert | inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 0,2,4, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-moe", description="Mixture-of-Experts for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert a dense causal LM to MoE and save it per expert")
+    convert.add_argument("src", help="dense model: a local directory or a Hub id")
+    convert.add_argument("out", help="output directory")
+    convert.add_argument("--num-experts", type=int, required=True)
+    convert.add_argument("--top-k", type=int, required=True)
+    convert.add_argument("--method", default="upcycle", choices=["upcycle"])
+    which = convert.add_mutually_exclusive_group()
+    which.add_argument("--layers", type=_layers, help="decoder layers to convert, e.g. 0,2,4 (default: all)")
+    which.add_argument("--every", type=int, help="convert layers i with (i + 1) %% N == 0")
+    convert.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
+    convert.add_argument("--noise", type=float, default=0.0, help="relative std of noise on each expert copy")
+    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--max-shard-size", default="5GB")
+
+    inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint without loading its weights")
+    inspect.add_argument("dir")
+    return parser
+
+
+def _convert(args) -> None:
+    from .convert.api import convert_to_moe
+
+    start = time.perf_counter()
+    options = {"noise": args.noise, "seed": args.seed}
+    if args.every is not None:
+        options["every"] = args.every
+    if args.dtype:
+        options["dtype"] = args.dtype
+    model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
+    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    _copy_tokenizer(args.src, args.out)
+    counts = model.parameter_counts()
+    conv = model.config.moe_conversion
+    print(
+        f"Converted {args.src} -> {args.out} in {time.perf_counter() - start:.1f}s: "
+        f"{len(model.config.moe_layers)} MoE layers x {args.num_experts} experts (top-{args.top_k}), "
+        f"{counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active per token."
+    )
+    if "max_abs_logit_diff" in conv:
+        print(
+            f"Max |logit difference| to the dense model on a random probe: {conv['max_abs_logit_diff']:.2e} "
+            f"(greedy tokens {'equal' if conv['same_argmax'] else 'differ'})."
+        )
+
+
+def _copy_tokenizer(src: str, out: str) -> None:
+    """Save the base model's tokenizer beside the MoE weights, so OUT is self-contained."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as err:  # a model without a tokenizer is still a model
+        print(f"Note: no tokenizer copied from {src} ({type(err).__name__}).", file=sys.stderr)
+        return
+    tokenizer.save_pretrained(out)
+
+
+def _inspect(args) -> None:
+    from .inspect import format_summary, summarize_checkpoint
+
+    print(format_summary(summarize_checkpoint(args.dir), args.dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"convert": _convert, "inspect": _inspect}[args.command](args)
+    except (ValueError, FileNotFoundError, TypeError) as err:
+        print(f"hf-moe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""`MoEConfig`: the base model's config, plus the MoE fields.
+
+A converted model keeps its base architecture, so its config must keep every field (and every property and
+`attribute_map` entry) of the base config class. `MoEConfig` is therefore specialised per base config class:
+`MoEConfig(base_model_type="llama", ...)` returns an instance of `MoELlamaConfig`, a dataclass that derives
+from both `MoEConfig` and `LlamaConfig`. The specialised classes are made on demand and live in this module's
+namespace, so they pickle by reference.
+
+The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`,
+`router_aux_loss_coef`, `output_router_logits`, `moe_intermediate_size`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, ClassVar
+
+from transformers import PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+# Version of the on-disk layout (`checkpoint.py`). A reader refuses a checkpoint with a newer format.
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+class MoEConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`MoEForCausalLM`]: every field of the base model's config, plus:
+
+    Args:
+        num_experts (`int`): routed experts per MoE layer.
+        num_experts_per_tok (`int`): experts each token is sent to (top-k).
+        norm_topk_prob (`bool`): renormalise the top-k router probabilities so they sum to one. With upcycled
+            experts this makes the MoE reproduce the dense model.
+        router_aux_loss_coef (`float`): weight of the Switch load-balancing loss added to the LM loss in training.
+        output_router_logits (`bool`): return each MoE layer's router logits in the model output.
+        moe_layers (`list[int]`): indices of the decoder layers whose MLP is an MoE block.
+        moe_intermediate_size (`int`): intermediate size of each expert.
+        expert_glu (`bool`): experts are gated (`act(x W_gate) * x W_up`) rather than plain MLPs.
+        expert_bias (`bool`): experts have biases on both projections.
+        expert_hidden_act (`str`): activation, a key of `transformers.activations.ACT2FN`.
+        moe_output_dropout (`float`): dropout on the block output, when the dense MLP had one inside.
+        router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
+            uses the base model's `initializer_range` (or `init_std`).
+        decoder_layers_path (`str`): attribute path from the model to its list of decoder layers.
+        moe_block_path (`str`): attribute path, inside a decoder layer, where the MoE block sits.
+        moe_bypassed_paths (`list[str]`): parts of a dense MLP written inline in the decoder layer (OPT's
+            `activation_fn` and `fc2`) that the MoE block replaces; they become identities.
+        moe_conversion (`dict`): how the model was made (base model, method, options), for the model card.
+        hf_moe_format (`int`): checkpoint layout version.
+    """
+
+    model_type = "hf_moe"
+    # The base config class; set on the specialised subclasses only.
+    base_config_class: ClassVar[type[PreTrainedConfig] | None] = None
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    output_router_logits: bool = False
+    moe_layers: list[int] | None = None
+    moe_intermediate_size: int | None = None
+    expert_glu: bool = True
+    expert_bias: bool = False
+    expert_hidden_act: str = "silu"
+    moe_output_dropout: float = 0.0
+    router_init_std: float | None = None
+    decoder_layers_path: str | None = None
+    moe_block_path: str = "mlp"
+    moe_bypassed_paths: list[str] | None = None
+    moe_conversion: dict | None = None
+    hf_moe_format: int = CHECKPOINT_FORMAT_VERSION
+
+    def __new__(cls, *args, **kwargs):
+        if cls.base_config_class is None:
+            cls = moe_config_class(_base_config_class(kwargs.get("base_model_type")))
+        return super().__new__(cls)
+
+    def __post_init__(self, **kwargs):
+        base_model_type = kwargs.pop("base_model_type", None)
+        if base_model_type is not None and base_model_type != self.base_model_type:
+            raise ValueError(
+                f"{type(self).__name__} wraps `{self.base_model_type}`, but the config says "
+                f"base_model_type={base_model_type!r}."
+            )
+        kwargs.pop("model_type", None)  # always "hf_moe"; a stale base value must not shadow it
+        if self.hf_moe_format > CHECKPOINT_FORMAT_VERSION:
+            from . import __version__
+
+            raise ValueError(
+                f"This config was written by a newer hf_moe (checkpoint format {self.hf_moe_format}); "
+                f"hf_moe {__version__} reads format {CHECKPOINT_FORMAT_VERSION} and older. "
+                "Upgrade hf_moe: `pip install -U hf-moe`."
+            )
+        self.moe_bypassed_paths = list(self.moe_bypassed_paths or [])
+        super().__post_init__(**kwargs)
+        if self.moe_layers is None:
+            self.moe_layers = list(range(self.get_text_config().num_hidden_layers))
+        self.moe_layers = sorted({int(i) for i in self.moe_layers})
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = getattr(self, "intermediate_size", None)
+        self._validate_moe()
+
+    def _validate_moe(self):
+        num_layers = self.get_text_config().num_hidden_layers
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {self.num_experts}.")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok (top_k) must be between 1 and num_experts={self.num_experts}, "
+                f"got {self.num_experts_per_tok}."
+            )
+        bad = [i for i in self.moe_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"moe_layers {bad} are out of range: the model has layers 0..{num_layers - 1}.")
+        if not self.moe_layers:
+            raise ValueError("moe_layers is empty: choose at least one decoder layer to make an MoE layer.")
+        if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size}.")
+
+    @property
+    def moe_init_std(self) -> float:
+        """Std of the normal init of new MoE weights: `router_init_std`, else the base model's init std."""
+        if self.router_init_std is not None:
+            return self.router_init_std
+        for name in ("initializer_range", "init_std"):
+            value = getattr(self, name, None)
+            if isinstance(value, float):
+                return value
+        return 0.02
+
+    @property
+    def base_model_type(self) -> str:
+        return self.base_config_class.model_type
+
+    @classmethod
+    def from_base(cls, base_config: PreTrainedConfig, **moe_fields) -> MoEConfig:
+        """The MoE config of `base_config` (a dense model's config) with `moe_fields` set."""
+        if isinstance(base_config, MoEConfig):
+            raise ValueError("This config is already an MoE config (model_type='hf_moe').")
+        fields = base_config.to_dict()
+        for key in ("model_type", "transformers_version", "architectures"):
+            fields.pop(key, None)
+        # to_dict() drops the attention implementation; keep what the dense model runs with.
+        fields["attn_implementation"] = base_config._attn_implementation
+        fields.update(moe_fields)
+        return moe_config_class(type(base_config))(**fields)
+
+    def to_base_config(self) -> PreTrainedConfig:
+        """The dense base config, without the MoE fields."""
+        own = set(MoEConfig.__dataclass_fields__) - set(PreTrainedConfig.__dataclass_fields__)
+        fields = {k: v for k, v in self.to_dict().items() if k not in own and k != "base_model_type"}
+        fields.pop("model_type", None)
+        return self.base_config_class(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        output["base_model_type"] = self.base_model_type
+        return output
+
+    def __reduce__(self):
+        # By base type rather than by class, so a fresh process can rebuild the specialised class.
+        return (_empty_config, (self.base_model_type,), self.__dict__.copy())
+
+
+def _empty_config(base_model_type: str) -> MoEConfig:
+    cls = moe_config_class(_base_config_class(base_model_type))
+    return object.__new__(cls)
+
+
+def _base_config_class(base_model_type: str | None) -> type[PreTrainedConfig]:
+    if base_model_type is None:
+        raise ValueError(
+            "MoEConfig needs the base model's type (`base_model_type`, e.g. 'llama'). Build it from a dense "
+            "config with `MoEConfig.from_base(config, num_experts=..., num_experts_per_tok=...)`, or convert a "
+            "model with `hf_moe.convert_to_moe`."
+        )
+    if base_model_type == MoEConfig.model_type or base_model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"Unknown base_model_type {base_model_type!r}: it is not a model type of transformers "
+            f"{__import__('transformers').__version__}. Is the checkpoint from a newer transformers?"
+        )
+    return CONFIG_MAPPING[base_model_type]
+
+
+_CONFIG_CLASSES: dict[type[PreTrainedConfig], type[MoEConfig]] = {}
+
+
+def moe_config_class(base_config_class: type[PreTrainedConfig]) -> type[MoEConfig]:
+    """The `MoEConfig` subclass that also derives from `base_config_class` (e.g. `MoELlamaConfig`).
+
+    Making one also makes (and registers with `AutoModelForCausalLM`) the matching model class, so that
+    `AutoModelForCausalLM.from_pretrained` finds it from a freshly loaded config.
+    """
+    if base_config_class in _CONFIG_CLASSES:
+        return _CONFIG_CLASSES[base_config_class]
+    if issubclass(base_config_class, MoEConfig):
+        raise ValueError(f"{base_config_class.__name__} is already an MoE config class.")
+    name = f"MoE{base_config_class.__name__}"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"`MoEConfig` over `{base_config_class.__name__}`.",
+        "model_type": MoEConfig.model_type,
+        "base_config_class": base_config_class,
+    }
+    cls = _CONFIG_CLASSES[base_config_class] = type(name, (MoEConfig, base_config_class), namespace)
+    setattr(sys.modules[__name__], name, cls)
+    from .modeling import register_model_class  # here, not at the top: modeling imports this module
+
+    register_model_class(cls)
+    return cls
+
+
+def __getattr__(name: str):
+    # Lets pickle find a specialised class in a fresh process: `MoELlamaConfig` -> moe_config_class(LlamaConfig).
+    if name.startswith("MoE"):
+        for config_class in CONFIG_MAPPING.values():
+            if config_class.__name__ == name[3:] and not issubclass(config_class, MoEConfig):
+                return moe_config_class(config_class)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,46 @@
+"""`python -m hf_moe.env`: the environment, and which implementation each MoE op uses and why."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+
+
+def _tool_version(cmd: list[str], line: int = -1) -> str:
+    if shutil.which(cmd[0]) is None:
+        return "not found"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"error ({err})"
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[line].strip() if lines else "unknown"
+
+
+def report() -> str:
+    import torch
+    import transformers
+
+    import hf_moe
+    from hf_moe.ops import backend_report
+
+    cuda = torch.cuda.is_available()
+    lines = [
+        f"hf_moe        {hf_moe.__version__}",
+        f"python        {platform.python_version()} ({platform.machine()})",
+        f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, threads: {torch.get_num_threads()})",
+        f"transformers  {transformers.__version__}",
+        f"GPU           {torch.cuda.get_device_name(0) if cuda else 'none'}",
+        f"nvcc          {_tool_version(['nvcc', '--version'])}",
+        f"c++           {_tool_version(['c++', '--version'], line=0)}",
+        "",
+        "op                 implementation                              why",
+    ]
+    for op, (impl, why) in backend_report().items():
+        lines.append(f"{op:<18} {impl:<43} {why}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())

@@ -1,0 +1,112 @@
+"""Summaries of a saved MoE checkpoint, read from its config and safetensors headers (no weights loaded)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import _EXPERT_KEY, INDEX_NAME, read_safetensors_header, validate_checkpoint
+
+
+@dataclass
+class ShardInfo:
+    filename: str
+    num_tensors: int = 0
+    num_bytes: int = 0
+    experts: set[int] = field(default_factory=set)
+
+
+@dataclass
+class CheckpointSummary:
+    config: dict
+    total_params: int
+    expert_params: int
+    shards: list[ShardInfo]
+
+    @property
+    def active_params(self) -> int:
+        c = self.config
+        return self.total_params - self.expert_params + self.expert_params * c["num_experts_per_tok"] // c["num_experts"]
+
+
+def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
+    """Validate the directory, then count parameters and describe each file."""
+    directory = Path(directory)
+    validate_checkpoint(directory)
+    config = json.loads((directory / "config.json").read_text())
+    weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
+    shards: dict[str, ShardInfo] = {}
+    total = expert = 0
+    for filename in sorted(set(weight_map.values())):
+        info = shards[filename] = ShardInfo(filename)
+        for key, meta in read_safetensors_header(directory / filename).items():
+            if key == "__metadata__":
+                continue
+            numel = math.prod(meta["shape"])
+            begin, end = meta["data_offsets"]
+            info.num_tensors += 1
+            info.num_bytes += end - begin
+            total += numel
+            match = _EXPERT_KEY.match(key)
+            if match:
+                expert += numel
+                info.experts.add(int(match["expert"]))
+    return CheckpointSummary(config, total, expert, list(shards.values()))
+
+
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out)
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
+    raise AssertionError
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
+    c = summary.config
+    num_layers = c.get("num_hidden_layers") or c.get("n_layer")
+    conv = c.get("moe_conversion") or {}
+    lines = [
+        f"hf_moe checkpoint: {directory}",
+        f"  base model       {conv.get('base_model', '?')} ({c['base_model_type']}, {c.get('architectures', ['?'])[0]})",
+        f"  MoE layers       {len(c['moe_layers'])} of {num_layers}: {_ranges(c['moe_layers'])}",
+        f"  experts          {c['num_experts']} per MoE layer, top-{c['num_experts_per_tok']}"
+        f"{' (renormalised)' if c['norm_topk_prob'] else ''}",
+        f"  expert MLP       {'GLU' if c['expert_glu'] else 'plain'}, {c['expert_hidden_act']}, "
+        f"intermediate {c['moe_intermediate_size']}{', biases' if c['expert_bias'] else ''}",
+        f"  parameters       {_count(summary.total_params)} total, {_count(summary.active_params)} active per token "
+        f"({_count(summary.expert_params)} in experts)",
+        f"  dtype            {c.get('dtype', '?')}",
+        "  shard layout",
+        f"    {'file':<44} {'tensors':>7} {'size':>10}  holds",
+    ]
+    for shard in summary.shards:
+        holds = (
+            f"expert {_ranges(sorted(shard.experts))} of every MoE layer"
+            if shard.experts
+            else "non-expert tensors (embeddings, attention, norms, routers, head)"
+        )
+        lines.append(f"    {shard.filename:<44} {shard.num_tensors:>7} {_size(shard.num_bytes):>10}  {holds}")
+    diff = conv.get("max_abs_logit_diff")
+    if diff is not None:
+        lines.append(f"  conversion       {conv.get('method')}: max |logit - dense logit| = {diff:.2e} on a random probe")
+    return "\n".join(lines)
+

@@ -1,0 +1,97 @@
+"""The experts of one MoE layer, as fused 3-D weights in transformers 5.x's layout."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+
+from ..ops import experts_forward
+
+
+class Experts(nn.Module):
+    """E expert MLPs stored as stacked weights, never as a ModuleList of Linear layers.
+
+    Parameters (E experts, H hidden, I intermediate):
+        GLU:      gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+        plain:    up_proj [E, I, H], down_proj [E, H, I]
+        biases:   gate_up_proj_bias [E, 2I] or up_proj_bias [E, I], and down_proj_bias [E, H], when `expert_bias`
+    Forward:
+        hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k] -> [N, H]
+
+    The attribute names (`has_gate`, `has_bias`, `is_transposed`, `act_fn`) match transformers' experts
+    modules, so the same dispatch code runs on both.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
+        self.hidden_dim = h
+        self.intermediate_dim = i
+        self.has_gate = config.expert_glu
+        self.has_bias = config.expert_bias
+        self.is_transposed = False
+        self.act_fn = ACT2FN[config.expert_hidden_act]
+        up_rows = 2 * i if self.has_gate else i
+        up_name = "gate_up_proj" if self.has_gate else "up_proj"
+        self.register_parameter(up_name, nn.Parameter(torch.empty(e, up_rows, h)))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if self.has_bias:
+            self.register_parameter(f"{up_name}_bias", nn.Parameter(torch.empty(e, up_rows)))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        else:
+            self.register_parameter(f"{up_name}_bias", None)
+            self.down_proj_bias = None
+        self.init_std = config.moe_init_std
+        self.reset_parameters()
+        self.register_load_state_dict_pre_hook(_load_per_expert_keys)
+
+    def reset_parameters(self) -> None:
+        """Weights from N(0, init_std), biases zero (for experts built from scratch, not upcycled)."""
+        for name, param in self.named_parameters(recurse=False):
+            if name.endswith("_bias"):
+                init.zeros_(param)
+            else:
+                init.normal_(param, mean=0.0, std=self.init_std)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        kind = "glu" if self.has_gate else "mlp"
+        return (
+            f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
+            f"{kind}, bias={self.has_bias}"
+        )
+
+
+def _load_per_expert_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+    """Let `load_state_dict` take the on-disk layout, where expert e of `gate_up_proj` is `{prefix}{e}.gate_up_proj`.
+
+    A complete set of experts is stacked into the fused key. A partial set (one shard file of a per-expert
+    checkpoint, as `transformers.Trainer` loads them one at a time) is copied into its slices in place.
+    """
+    for name, param in module.named_parameters(recurse=False):
+        per_expert = {}
+        for e in range(module.num_experts):
+            key = f"{prefix}{e}.{name}"
+            if key in state_dict:
+                per_expert[e] = state_dict.pop(key)
+        if not per_expert:
+            continue
+        if len(per_expert) == module.num_experts and prefix + name not in state_dict:
+            state_dict[prefix + name] = torch.stack([per_expert[e] for e in range(module.num_experts)])
+            continue
+        for e, tensor in per_expert.items():
+            if tensor.shape != param.shape[1:]:
+                error_msgs.append(
+                    f"size mismatch for {prefix}{e}.{name}: copying a param with shape {tuple(tensor.shape)}, "
+                    f"the expert's slice has shape {tuple(param.shape[1:])}."
+                )
+                continue
+            with torch.no_grad():
+                param[e].copy_(tensor)

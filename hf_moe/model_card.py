@@ -1,0 +1,64 @@
+"""The model card (README.md) written with every save and conversion."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+_MARKER = "<!-- hf_moe model card:"
+
+
+def _template() -> str:
+    return resources.files("hf_moe.model_cards").joinpath("moe_model_card.md").read_text()
+
+
+def is_generated_card(text: str) -> bool:
+    return _MARKER in text
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def render_model_card(model) -> str:
+    """Fill the template from the model's config and parameter counts."""
+    from . import __version__
+
+    c = model.config
+    conv = dict(c.moe_conversion or {})
+    counts = model.parameter_counts()
+    base_model = conv.get("base_model") or "unknown"
+    options = ", ".join(f"{k}={v}" for k, v in sorted(conv.get("options", {}).items()))
+    method = conv.get("method", "unknown")
+    if "max_abs_logit_diff" in conv:
+        diff = conv["max_abs_logit_diff"]
+        exactness = (
+            f"logits differ from the base model's by at most {diff:.2e} on a random probe at conversion "
+            f"({conv.get('probe', 'probe')}); greedy tokens {'equal' if conv.get('same_argmax') else 'DIFFER'}"
+        )
+    else:
+        exactness = "not measured"
+    return _template().format(
+        title=f"{base_model.rstrip('/').split('/')[-1]} MoE: {c.num_experts} experts, top-{c.num_experts_per_tok}",
+        base_model=base_model,
+        license=conv.get("license") or "other",
+        hf_moe_version=__version__,
+        base_architecture=model.base_model_class.__name__,
+        base_model_type=c.base_model_type,
+        num_moe_layers=len(c.moe_layers),
+        num_layers=c.get_text_config().num_hidden_layers,
+        moe_layers=", ".join(map(str, c.moe_layers)),
+        num_experts=c.num_experts,
+        top_k=c.num_experts_per_tok,
+        normalisation="renormalised top-k weights" if c.norm_topk_prob else "raw softmax weights",
+        expert_kind="gated (GLU)" if c.expert_glu else "plain MLP",
+        expert_act=c.expert_hidden_act,
+        intermediate_size=c.moe_intermediate_size,
+        expert_bias=", with biases" if c.expert_bias else "",
+        total_params=_millions(counts["total"]),
+        active_params=_millions(counts["active"]),
+        conversion=f"`{method}`" + (f" ({options})" if options else ""),
+        exactness=exactness,
+        dtype=str(model.dtype).removeprefix("torch."),
+        path_hint="path/to/this/folder",
+        aux_coef=c.router_aux_loss_coef,
+    )

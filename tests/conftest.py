@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny models of every family the core conversion supports, built from configs (no hub)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 128
+_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+# model_type -> tiny config kwargs. Chosen to exercise: GQA, sliding windows, GeGLU, fused gate_up, Conv1D + biases,
+# parallel-residual NeoX, and OPT's MLP written inline in the decoder layer.
+FAMILIES = {
+    "llama": dict(_DECODER, num_key_value_heads=2),
+    "mistral": dict(_DECODER, num_key_value_heads=2, sliding_window=6),
+    "qwen2": dict(_DECODER, num_key_value_heads=2),
+    "qwen3": dict(_DECODER, num_key_value_heads=2, head_dim=16),
+    "gemma": dict(_DECODER, num_key_value_heads=1, head_dim=16),
+    "phi3": dict(_DECODER, num_key_value_heads=2, pad_token_id=0),
+    "gpt2": dict(n_embd=64, n_layer=3, n_head=4, n_positions=64),
+    "gpt_neox": dict(_DECODER),
+    "opt": dict(hidden_size=64, ffn_dim=96, num_hidden_layers=3, num_attention_heads=4, word_embed_proj_dim=64,
+                max_position_embeddings=64),
+}
+SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def tiny_config(model_type: str, **overrides):
+    kwargs = {"vocab_size": VOCAB, **SPECIAL_IDS, **FAMILIES[model_type], **overrides}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
+    """A randomly initialised dense causal LM in eval mode, fp32."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
+
+
+def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=generator)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer with < VOCAB ids, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-\n"
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. " * 3
+    + "a mixture of experts routes each token to a few experts. "
+    + "sparse models grow parameters without growing compute. "
+)

@@ -1,0 +1,76 @@
+"""`hf-moe convert` and `hf-moe inspect`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import random_ids, tiny_dense, tiny_tokenizer
+
+from hf_moe import MoEForCausalLM
+from hf_moe.cli import main
+
+
+@pytest.fixture
+def dense_dir(tmp_path):
+    dense = tiny_dense("qwen2")
+    dense.save_pretrained(tmp_path / "dense")
+    tiny_tokenizer().save_pretrained(tmp_path / "dense")
+    return tmp_path / "dense"
+
+
+def test_convert_then_inspect(dense_dir, tmp_path, capsys):
+    out = tmp_path / "moe"
+    assert main(["convert", str(dense_dir), str(out), "--num-experts", "4", "--top-k", "2", "--layers", "0,2",
+                 "--dtype", "bfloat16", "--noise", "0.0"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 MoE layers x 4 experts (top-2)" in printed and "greedy tokens equal" in printed
+    moe = MoEForCausalLM.from_pretrained(out)
+    assert moe.dtype == torch.bfloat16 and moe.config.moe_layers == [0, 2]
+    assert (out / "tokenizer.json").is_file()  # OUT is self-contained
+
+    assert main(["inspect", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "MoE layers       2 of 3: 0, 2" in summary
+    assert "4 per MoE layer, top-2 (renormalised)" in summary
+    assert "active per token" in summary and "model-expert-00003.safetensors" in summary
+
+
+def test_every_option(dense_dir, tmp_path):
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "2", "--top-k", "1",
+                 "--every", "2"]) == 0
+    moe = MoEForCausalLM.from_pretrained(tmp_path / "m")
+    assert moe.config.moe_layers == [1]
+    dense = tiny_dense("qwen2")
+    ids = random_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(ids).logits, dense(ids).logits, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["convert", "/no/such/model", "OUT", "--num-experts", "4", "--top-k", "2"], "does not exist"),
+        (["convert", "DENSE", "OUT", "--num-experts", "4", "--top-k", "8"], "top_k must be"),
+        (["convert", "DENSE", "OUT", "--num-experts", "4", "--top-k", "2", "--layers", "9"], "out of range"),
+        (["inspect", "/no/such/moe"], "no config.json"),
+    ],
+)
+def test_errors_exit_2_with_a_message(argv, message, dense_dir, tmp_path, capsys):
+    argv = [str(dense_dir) if a == "DENSE" else str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "hf_moe.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "convert" in result.stdout and "inspect" in result.stdout
+
+
+def test_env_report_names_every_op():
+    result = subprocess.run([sys.executable, "-m", "hf_moe.env"], capture_output=True, text=True, check=True)
+    for op in ("expert_histogram", "sort_by_expert", "permute", "grouped_linear", "unpermute"):
+        assert op in result.stdout
+    assert "torch" in result.stdout and "transformers" in result.stdout

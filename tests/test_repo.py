@@ -1,0 +1,25 @@
+"""The README's two commands exist, and CI runs the README's test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n\s*(.+?)\n\s*```", section)
+
+
+def test_readme_has_the_two_commands():
+    assert _readme_commands() == ["bash examples/quickstart.sh", "bash scripts/test.sh"]
+    for command in _readme_commands():
+        assert (ROOT / command.split()[1]).is_file(), command
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert _readme_commands()[1] in [line.strip() for line in ci]
