@@ -17,6 +17,7 @@ from .convert.api import convert_to_moe
 from .layers import Experts, SparseMoeBlock, TopKRouter
 from .losses import load_balancing_loss
 from .modeling import MoEForCausalLM
+from .ops import experts_interface
 from .training import trainer_compat
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
@@ -32,6 +33,7 @@ register_checkpoint_conversion_mapping(
     overwrite=True,
 )
 trainer_compat.install()
+experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
 
 __all__ = [
     "CheckpointError",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -75,7 +76,7 @@ def save_checkpoint(
     staging.mkdir()
     try:
         weight_map = {}
-        for filename, tensors in shards.items():
+        for filename, tensors in tqdm(shards.items(), desc="Saving per-expert shards", unit="file", leave=False):
             save_file({k: t.contiguous() for k, t in tensors.items()}, staging / filename, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, filename))
         total_size = sum(t.numel() * t.element_size() for tensors in shards.values() for t in tensors.values())

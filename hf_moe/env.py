@@ -35,10 +35,10 @@ def report() -> str:
         f"nvcc          {_tool_version(['nvcc', '--version'])}",
         f"c++           {_tool_version(['c++', '--version'], line=0)}",
         "",
-        "op                 implementation                              why",
+        f"{'op':<24} {'implementation':<55} why",
     ]
     for op, (impl, why) in backend_report().items():
-        lines.append(f"{op:<18} {impl:<43} {why}")
+        lines.append(f"{op:<24} {impl:<55} {why}")
     return "\n".join(lines)
 
 

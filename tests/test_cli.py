@@ -24,11 +24,11 @@ def dense_dir(tmp_path):
 def test_convert_then_inspect(dense_dir, tmp_path, capsys):
     out = tmp_path / "moe"
     assert main(["convert", str(dense_dir), str(out), "--num-experts", "4", "--top-k", "2", "--layers", "0,2",
-                 "--dtype", "bfloat16", "--noise", "0.0"]) == 0
+                 "--noise", "0.0"]) == 0
     printed = capsys.readouterr().out
     assert "2 MoE layers x 4 experts (top-2)" in printed and "greedy tokens equal" in printed
     moe = MoEForCausalLM.from_pretrained(out)
-    assert moe.dtype == torch.bfloat16 and moe.config.moe_layers == [0, 2]
+    assert moe.dtype == torch.float32 and moe.config.moe_layers == [0, 2]
     assert (out / "tokenizer.json").is_file()  # OUT is self-contained
 
     assert main(["inspect", str(out)]) == 0
@@ -36,6 +36,12 @@ def test_convert_then_inspect(dense_dir, tmp_path, capsys):
     assert "MoE layers       2 of 3: 0, 2" in summary
     assert "4 per MoE layer, top-2 (renormalised)" in summary
     assert "active per token" in summary and "model-expert-00003.safetensors" in summary
+
+
+def test_dtype_option(dense_dir, tmp_path):
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "4", "--top-k", "2",
+                 "--dtype", "bfloat16"]) == 0
+    assert MoEForCausalLM.from_pretrained(tmp_path / "m").dtype == torch.bfloat16
 
 
 def test_every_option(dense_dir, tmp_path):
@@ -71,6 +77,6 @@ def test_console_script_is_installed():
 
 def test_env_report_names_every_op():
     result = subprocess.run([sys.executable, "-m", "hf_moe.env"], capture_output=True, text=True, check=True)
-    for op in ("expert_histogram", "sort_by_expert", "permute", "grouped_linear", "unpermute"):
+    for op in ("sort_by_expert", "permute", "grouped_mm", "expert_act", "unpermute", "experts (whole layer)"):
         assert op in result.stdout
     assert "torch" in result.stdout and "transformers" in result.stdout

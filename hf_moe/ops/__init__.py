@@ -1,35 +1,128 @@
-"""Dispatch ops and the expert computation built from them.
+"""Dispatch ops, their two implementations, and the expert computation built from them.
 
-`experts_forward` is the one entry point the MoE block uses. It runs
+`experts_forward(experts, hidden_states, top_k_index, top_k_weights)` is the one entry point of the MoE block
+(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs `ExpertsFunction` (experts.py) over
+one of two implementations of the ops:
 
-    sort_by_expert -> permute -> grouped_linear (gate_up or up) -> activation -> grouped_linear (down) -> unpermute
+  * compiled: `torch.ops.hf_moe.*` from csrc/ (C++ with OpenMP on CPU, CUDA kernels on GPU), built on first use;
+  * torch:    `reference.py`, always available, and the oracle the compiled kernels are tested against.
 
-with the pure-torch ops of `reference.py`. Those are always available and are the oracle for any compiled
-kernel. `backend_report()` says which implementation each op uses and why (`python -m hf_moe.env`).
+`backend_report()` (and `python -m hf_moe.env`) says which one runs and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 
-from .reference import (
-    _can_use_grouped_mm,
-    expert_histogram,
-    grouped_linear,
-    permute,
-    sort_by_expert,
-    unpermute,
-)
+from . import reference
+from .experts import DispatchOps, ExpertsFunction, run_experts
+from .extension import backend_setting, load_extension
 
 __all__ = [
-    "backend_report",
-    "expert_histogram",
-    "experts_forward",
-    "grouped_linear",
-    "permute",
-    "sort_by_expert",
-    "unpermute",
+    "DispatchOps", "ExpertsFunction", "backend_report", "dispatch_ops", "experts_forward", "kernel_activation",
+    "use_backend",
 ]
+
+REFERENCE = DispatchOps(
+    "torch",
+    reference.sort_by_expert,
+    reference.permute,
+    reference.unpermute,
+    reference.grouped_mm,
+    reference.grouped_mm_weight_grad,
+    reference.expert_act,
+    reference.expert_act_backward,
+)
+
+# ACT2FN key -> name of the compiled activation that computes the same function.
+_KERNEL_NAMES = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu", "relu2": "relu2",
+}
+
+
+def kernel_activation(name: str) -> str:
+    """The compiled kernel's name for an ACT2FN activation, or the ACT2FN name if no kernel implements it."""
+    return _KERNEL_NAMES.get(name, name)
+
+
+_loaded: dict[str, object] = {}  # "ops": the compiled DispatchOps or None, "cuda": whether it has CUDA kernels
+
+
+@torch.compiler.disable  # loading (maybe building) the extension is never traced
+def _load() -> None:
+    module, status = load_extension()
+    ops = torch.ops.hf_moe if module is not None else None
+    _loaded["cuda"] = status.cuda
+    _loaded["ops"] = None if ops is None else DispatchOps(
+        "compiled", ops.sort_by_expert, ops.permute, ops.unpermute, ops.grouped_mm, ops.grouped_mm_weight_grad,
+        ops.expert_act, ops.expert_act_backward, ops.moe_experts_forward, ops.moe_experts_backward,
+    )
+
+
+def _compiled() -> DispatchOps | None:
+    """The compiled ops, loading (and on first use building) the extension; None when unavailable."""
+    if "ops" not in _loaded:
+        _load()
+    return _loaded["ops"]
+
+
+_forced: list[str] = []
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops of `name` ("torch" or "compiled") inside the block, whatever HF_MOE_BACKEND says."""
+    if name not in ("torch", "compiled"):
+        raise ValueError(f"backend must be 'torch' or 'compiled', got {name!r}")
+    if name == "compiled" and _compiled() is None:
+        raise RuntimeError(f"the compiled backend is unavailable: {load_extension()[1].how}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _variant(device_type: str, activation: str) -> DispatchOps:
+    compiled = _loaded["ops"]
+    if compiled is None or device_type not in ("cpu", "cuda") or (device_type == "cuda" and not _loaded["cuda"]):
+        return REFERENCE
+    if device_type == "cuda":  # the fused one-call path is CPU only; CUDA composes the kernels
+        compiled = dataclasses.replace(compiled, name="compiled (CUDA)", fused_forward=None, fused_backward=None)
+    if activation not in reference.KERNEL_ACTIVATIONS:
+        return dataclasses.replace(
+            compiled, name=compiled.name + ", activation in torch", expert_act=reference.expert_act,
+            expert_act_backward=reference.expert_act_backward, fused_forward=None, fused_backward=None,
+        )
+    return compiled
+
+
+def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
+    """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
+    if _forced and _forced[-1] == "torch":
+        return REFERENCE
+    _compiled()
+    key = (device.type, activation)
+    if key not in _variants:  # a plain dict, not functools.cache: torch.compile traces through it
+        _variants[key] = _variant(*key)
+    return _variants[key]
+
+
+_variants: dict[tuple[str, str], DispatchOps] = {}
+
+
+def _activation_of(experts: torch.nn.Module) -> str:
+    """The ACT2FN name of an experts module's activation: ours store it; transformers' are probed once."""
+    name = getattr(experts, "activation", None) or getattr(experts, "_hf_moe_activation", None)
+    if name is None:
+        from ..convert.adapters import activation_name
+
+        name = experts._hf_moe_activation = activation_name(experts.act_fn, getattr(experts, "config", None))
+    return name
 
 
 def experts_forward(
@@ -49,36 +142,34 @@ def experts_forward(
     Returns:
         [N, H] in `hidden_states.dtype`.
     """
-    top_k = top_k_index.shape[-1]
-    sorted_slots, slot_to_row, tokens_per_expert = sort_by_expert(top_k_index, experts.num_experts)
-    first = experts.gate_up_proj if experts.has_gate else experts.up_proj
-    # One host read of the group sizes per layer, and only where it costs nothing (see grouped_linear).
-    sizes = None if _can_use_grouped_mm(hidden_states, first) else tokens_per_expert.tolist()
-
-    rows = permute(hidden_states, sorted_slots, slot_to_row, top_k)  # [M, H]
+    activation = kernel_activation(_activation_of(experts))
+    ops = dispatch_ops(hidden_states.device, activation)
     if experts.has_gate:
-        h = grouped_linear(rows, experts.gate_up_proj, tokens_per_expert, experts.gate_up_proj_bias, sizes)
-        gate, up = h.chunk(2, dim=-1)
-        h = experts.act_fn(gate) * up  # [M, I]
+        w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
     else:
-        h = experts.act_fn(grouped_linear(rows, experts.up_proj, tokens_per_expert, experts.up_proj_bias, sizes))
-    rows = grouped_linear(h, experts.down_proj, tokens_per_expert, experts.down_proj_bias, sizes)  # [M, H]
-    return unpermute(rows, sorted_slots, slot_to_row, top_k_weights).to(hidden_states.dtype)
+        w1, b1 = experts.up_proj, getattr(experts, "up_proj_bias", None)
+    b2 = getattr(experts, "down_proj_bias", None)
+    return run_experts(
+        ops, hidden_states, top_k_index, top_k_weights, w1, b1, experts.down_proj, b2, activation, experts.has_gate
+    )
 
 
 def backend_report() -> dict[str, tuple[str, str]]:
-    """{op: (implementation, why)} for the current process."""
-    cuda = torch.cuda.is_available()
-    gemm = (
-        ("torch.nn.functional.grouped_mm", "CUDA sm80+ with bf16 weights; other dtypes use one matmul per expert")
-        if cuda and hasattr(torch.nn.functional, "grouped_mm")
-        else ("torch.mm per non-empty expert", "CPU: faster than torch's CPU grouped_mm; group sizes are read on host")
-    )
-    why = "pure-torch reference (no compiled extension in this build)"
-    return {
-        "expert_histogram": ("torch scatter_add", why),
-        "sort_by_expert": ("torch.argsort (stable)", why),
-        "permute": ("torch index_select, gather backward", why),
-        "grouped_linear": gemm,
-        "unpermute": ("torch index_select + bmm", why),
-    }
+    """{op: (implementation, why)} for this process."""
+    setting = backend_setting()
+    module, status = load_extension()
+    ops = ["sort_by_expert", "permute", "grouped_mm", "grouped_mm_weight_grad", "expert_act", "unpermute"]
+    if module is None:
+        report = {op: ("torch", status.how) for op in ops}
+        report["experts (whole layer)"] = ("torch: composed from the ops above", status.how)
+        return report
+    why = f"{status.how}; HF_MOE_BACKEND={setting}"
+    report = {op: ("compiled C++ (OpenMP)", why) for op in ops}
+    report["grouped_mm"] = ("compiled C++: one call, a GEMM per expert", why)
+    report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
+    report["experts (whole layer)"] = ("compiled C++: fused, one call forward, one backward", "CPU")
+    if status.cuda:
+        report["experts on CUDA"] = ("compiled CUDA kernels + torch._grouped_mm (bf16, sm80+)", "no host sync")
+    elif torch.cuda.is_available():
+        report["experts on CUDA"] = ("torch", "the extension was built without CUDA (nvcc not found?)")
+    return report

@@ -1,204 +1,167 @@
-"""Pure-torch dispatch ops: the reference every compiled kernel is tested against.
+"""Pure-torch dispatch and expert ops: always available, and the oracle every compiled kernel is tested against.
+
+Each function has the schema of the compiled op of the same name (`torch.ops.hf_moe.<name>`, csrc/ops.cpp).
 
 Notation: N tokens, k experts per token, E experts, H hidden size, M = N * k (token, slot) pairs. A pair is
 identified by its slot id `s = token * k + slot`, the position of its expert id in `top_k_index.view(-1)`.
+Dispatch sorts the pairs by expert (stably), which makes every expert's rows one contiguous group:
 
-The dispatch sorts the M pairs by expert (stable, so tokens keep their order inside an expert), which makes
-every expert's rows one contiguous group:
+    sorted_slots [M]        slot id of the pair at each sorted row
+    slot_to_row  [M]        sorted row of each slot id (the inverse permutation)
+    tokens_per_expert [E]   group sizes; pairs whose expert id is outside [0, E) ("dropped") sort after all groups
 
-    sorted_slots [M]   slot id of the pair at each sorted position
-    slot_to_row  [M]   sorted position of each slot id (the inverse permutation)
-    tokens_per_expert [E]
-
-None of these ops reads a device tensor on the host; `grouped_linear` does on CPU, where that is free.
+None of these ops reads a CUDA tensor on the host. `grouped_mm` reads the group sizes on the host on CPU, where
+that is free, and on CUDA without `grouped_mm` support (a fallback with one sync).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd import Function
+from torch import nn
+from transformers.activations import ACT2FN
+
+# Kernel activation name -> ACT2FN key. Other ACT2FN keys work here too (only here).
+KERNEL_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2"}
 
 
-def expert_histogram(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert.
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
+    """Position assignment: the stable permutation that groups the (token, slot) pairs by expert.
 
     Args:
-        top_k_index: [N, k] expert ids.
+        top_k_index: [N, k] expert ids; ids outside [0, E) are dropped pairs.
     Returns:
-        [E] int64 counts; ids outside [0, E) are not counted.
+        sorted_slots [M] int64, slot_to_row [M] int64, tokens_per_expert [E] int64 (dropped pairs not counted).
     """
-    flat = top_k_index.reshape(-1)
+    flat = top_k_index.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    # scatter_add rather than bincount: bincount sizes its output from the data, a host sync on CUDA.
-    return counts.scatter_add_(0, flat.clamp(0, num_experts - 1), valid.to(torch.int64))
-
-
-def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position assignment: the permutation that groups the (token, slot) pairs by expert.
-
-    Args:
-        top_k_index: [N, k] expert ids in [0, E).
-    Returns:
-        sorted_slots [M] int64, slot_to_row [M] int64, tokens_per_expert [E] int64.
-    """
-    flat = top_k_index.reshape(-1)
-    sorted_slots = torch.argsort(flat, stable=True)
+    bucket = torch.where(valid, flat, num_experts)
+    sorted_slots = torch.argsort(bucket, stable=True)
     slot_to_row = torch.empty_like(sorted_slots)
     slot_to_row[sorted_slots] = torch.arange(flat.numel(), device=flat.device)
-    return sorted_slots, slot_to_row, expert_histogram(top_k_index, num_experts)
+    # scatter_add rather than bincount: bincount sizes its output from the data, a host sync on CUDA.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    return sorted_slots, slot_to_row, counts[:num_experts]
 
 
-class _Permute(Function):
-    @staticmethod
-    def forward(ctx, hidden_states, sorted_slots, slot_to_row, top_k):
-        ctx.save_for_backward(slot_to_row)
-        ctx.top_k = top_k
-        return hidden_states.index_select(0, torch.div(sorted_slots, top_k, rounding_mode="floor"))
-
-    @staticmethod
-    def backward(ctx, grad_rows):
-        (slot_to_row,) = ctx.saved_tensors
-        # Each token has k rows; gather them back into (token, slot) order and add them up (no scatter).
-        grad = grad_rows.index_select(0, slot_to_row).view(-1, ctx.top_k, grad_rows.shape[-1]).sum(1)
-        return grad, None, None, None
+def permute(hidden_states: torch.Tensor, sorted_slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Gather: [N, H] -> [M, H], row r holding the token of slot `sorted_slots[r]`."""
+    return hidden_states.index_select(0, torch.div(sorted_slots, top_k, rounding_mode="floor"))
 
 
-def permute(hidden_states: torch.Tensor, sorted_slots: torch.Tensor, slot_to_row: torch.Tensor, top_k: int):
-    """Gather each token's row once per slot, in expert order.
+def unpermute(
+    rows: torch.Tensor, slot_to_row: torch.Tensor, top_k_weights: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
+    """Combine: [M, H] -> [N, H], out[n] = sum_j w[n, j] * rows[slot_to_row[n*k + j]] (w = 1 when None).
 
-    Args:
-        hidden_states: [N, H]; sorted_slots, slot_to_row: [M] from `sort_by_expert`.
-    Returns:
-        [M, H], row r holding the token of slot `sorted_slots[r]`.
+    Accumulates in fp32 for low-precision inputs.
     """
-    return _Permute.apply(hidden_states, sorted_slots, slot_to_row, top_k)
+    by_token = rows.index_select(0, slot_to_row).view(-1, top_k, rows.shape[-1])  # [N, k, H]
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    if top_k_weights is None:
+        return by_token.sum(1, dtype=acc).to(rows.dtype)
+    return torch.bmm(top_k_weights.to(acc).unsqueeze(1), by_token.to(acc)).squeeze(1).to(rows.dtype)
 
 
-class _Unpermute(Function):
-    @staticmethod
-    def forward(ctx, rows, sorted_slots, slot_to_row, top_k_weights):
-        n, k = top_k_weights.shape
-        by_token = rows.index_select(0, slot_to_row).view(n, k, rows.shape[-1])  # [N, k, H]
-        weights = top_k_weights.to(rows.dtype)
-        ctx.save_for_backward(sorted_slots, weights, by_token if top_k_weights.requires_grad else None)
-        ctx.weights_dtype = top_k_weights.dtype
-        return torch.bmm(weights.unsqueeze(1), by_token).squeeze(1)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        sorted_slots, weights, by_token = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_rows = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_by_token = weights.unsqueeze(-1) * grad_out.unsqueeze(1)  # [N, k, H]
-            grad_rows = grad_by_token.view(-1, grad_out.shape[-1]).index_select(0, sorted_slots)
-        if ctx.needs_input_grad[3]:
-            grad_weights = torch.bmm(by_token, grad_out.unsqueeze(-1)).squeeze(-1).to(ctx.weights_dtype)
-        return grad_rows, None, None, grad_weights
-
-
-def unpermute(rows: torch.Tensor, sorted_slots: torch.Tensor, slot_to_row: torch.Tensor, top_k_weights: torch.Tensor):
-    """Weighted combine: each token's output is the sum of its k expert rows times their routing weights.
-
-    Args:
-        rows: [M, H] expert outputs in expert order; top_k_weights: [N, k].
-    Returns:
-        [N, H] in `rows.dtype`.
-    """
-    return _Unpermute.apply(rows, sorted_slots, slot_to_row, top_k_weights)
-
-
-class _GroupedLinearLoop(Function):
-    """`y[g] = x[g] @ weight[e].T + bias[e]` for each expert's row group g, one matmul per non-empty expert."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group_sizes):
-        out = x.new_empty(x.shape[0], weight.shape[1])
-        start = 0
-        for e, size in enumerate(group_sizes):
-            if size:
-                end = start + size
-                if bias is None:
-                    torch.mm(x[start:end], weight[e].t(), out=out[start:end])
-                else:
-                    torch.addmm(bias[e], x[start:end], weight[e].t(), out=out[start:end])
-                start = end
-        out[start:].zero_()  # rows past the last group (dropped pairs) contribute nothing
-        ctx.save_for_backward(x, weight)
-        ctx.group_sizes = group_sizes
-        ctx.has_bias = bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = x.new_empty(x.shape) if need_x else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = weight.new_zeros(weight.shape[:2]) if need_b else None
-        start = 0
-        for e, size in enumerate(ctx.group_sizes):
-            if size:
-                end = start + size
-                g = grad_out[start:end]
-                if need_x:
-                    torch.mm(g, weight[e], out=grad_x[start:end])
-                if need_w:
-                    torch.mm(g.t(), x[start:end], out=grad_w[e])
-                if need_b:
-                    torch.sum(g, dim=0, out=grad_b[e])
-                start = end
-            elif need_w:
-                grad_w[e].zero_()  # an expert with no tokens gets no gradient
-        if need_x:
-            grad_x[start:].zero_()
-        return grad_x, grad_w, grad_b, None
-
-
-def _can_use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        grouped_mm is not None
+        hasattr(torch.nn.functional, "grouped_mm")
         and x.is_cuda
+        and x.dtype == weight.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
-        and x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
     )
 
 
-def grouped_linear(
+def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+
+
+def grouped_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
     tokens_per_expert: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    group_sizes: list[int] | None = None,
+    bias: torch.Tensor | None,
+    bias_scale: torch.Tensor | None,
+    transpose_weight: bool,
 ) -> torch.Tensor:
     """Grouped matrix product over contiguous row groups, one group per expert.
 
     Args:
         x: [M, K], rows sorted by expert.
-        weight: [E, N, K] (the `nn.Linear` layout of each expert).
-        tokens_per_expert: [E] row count of each group; the groups cover x's first sum(...) rows.
-        bias: [E, N] or None.
-        group_sizes: `tokens_per_expert` on the host, if the caller already has it.
+        weight: [E, A, B]; y = x @ weight[e]^T (A out, `transpose_weight`) or x @ weight[e] (B out).
+        bias: [E, out], added to each row of expert e, times `bias_scale` [M] when given.
     Returns:
-        [M, N].
-
-    On CUDA (sm80+, bf16) this is `torch.nn.functional.grouped_mm` with device-side offsets: no host sync. Elsewhere
-    it is one matmul per non-empty expert, which on CPU is faster than `grouped_mm` and needs the group sizes on
-    the host (free on CPU).
+        [M, out]; rows past the last group (dropped pairs) are zero.
     """
-    if group_sizes is None and _can_use_grouped_mm(x, weight):
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
-        out = torch.nn.functional.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    w = weight.transpose(-2, -1) if transpose_weight else weight  # [E, K, out]
+    if _use_grouped_mm(x, weight):
+        out = torch.nn.functional.grouped_mm(x, w, offs=_offsets(tokens_per_expert))
+        covered = torch.arange(x.shape[0], device=x.device) < tokens_per_expert.sum()
+        out = out * covered.unsqueeze(1).to(out.dtype)  # grouped_mm leaves rows past the groups undefined
         if bias is not None:
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(weight.shape[0], device=x.device), tokens_per_expert, output_size=x.shape[0]
-            )
-            out = out + bias.index_select(0, expert_of_row)
+            rows = torch.arange(x.shape[0], device=x.device)
+            expert_of_row = torch.searchsorted(torch.cumsum(tokens_per_expert, 0), rows, right=True)
+            b = bias.index_select(0, expert_of_row.clamp_max(weight.shape[0] - 1))
+            keep = covered.unsqueeze(1).to(b.dtype)
+            out = out + b * (keep if bias_scale is None else keep * bias_scale.unsqueeze(1).to(b.dtype))
         return out
-    if group_sizes is None:
-        group_sizes = tokens_per_expert.tolist()
-    return _GroupedLinearLoop.apply(x, weight, bias, group_sizes)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, size in enumerate(tokens_per_expert.tolist()):
+        if size:
+            end = start + size
+            if bias is None:
+                torch.mm(x[start:end], w[e], out=out[start:end])
+            elif bias_scale is None:
+                torch.addmm(bias[e], x[start:end], w[e], out=out[start:end])
+            else:
+                torch.mm(x[start:end], w[e], out=out[start:end])
+                out[start:end].addr_(bias_scale[start:end].to(out.dtype), bias[e])
+            start = end
+    return out
+
+
+def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Tensor):
+    """[E, A, B]: grad_out[g]^T @ x[g] for each expert's row group g (zero for experts without rows).
+
+    Args:
+        grad_out: [M, A]; x: [M, B].
+    """
+    num_experts = tokens_per_expert.shape[0]
+    if _use_grouped_mm(x, grad_out):
+        return torch.nn.functional.grouped_mm(grad_out.t(), x, offs=_offsets(tokens_per_expert))
+    out = x.new_zeros(num_experts, grad_out.shape[1], x.shape[1])
+    start = 0
+    for e, size in enumerate(tokens_per_expert.tolist()):
+        if size:
+            torch.mm(grad_out[start : start + size].t(), x[start : start + size], out=out[e])
+            start += size
+    return out
+
+
+def _activation(name: str) -> nn.Module:
+    return ACT2FN[KERNEL_ACTIVATIONS.get(name, name)]
+
+
+def expert_act(h: torch.Tensor, row_scale: torch.Tensor | None, activation: str, glu: bool) -> torch.Tensor:
+    """[M, W] -> [M, I]: act(gate) * up (GLU, h = [gate | up], I = W / 2) or act(h), times row_scale [M]."""
+    act = _activation(activation)
+    if glu:
+        gate, up = h.chunk(2, dim=-1)
+        out = act(gate) * up
+    else:
+        out = act(h)
+    return out if row_scale is None else out * row_scale.to(out.dtype).unsqueeze(1)
+
+
+def expert_act_backward(
+    grad: torch.Tensor, h: torch.Tensor, row_scale: torch.Tensor | None, activation: str, glu: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of `expert_act`: (grad_h [M, W], grad_row_scale [M], empty without row_scale)."""
+    with torch.enable_grad():
+        h_ = h.detach().requires_grad_(True)
+        scale = row_scale.detach().requires_grad_(True) if row_scale is not None else None
+        out = expert_act(h_, scale, activation, glu)
+        inputs = (h_,) if scale is None else (h_, scale)
+        grads = torch.autograd.grad(out, inputs, grad)
+    return grads[0], (grads[1] if scale is not None else h.new_empty(0))

@@ -1,0 +1,130 @@
+"""The expert computation of one MoE layer, built from the dispatch ops, with a memory-lean backward.
+
+Forward, for rows sorted by expert (M = N * k rows, routing weight w_r of each row):
+
+    rows = permute(x)                          [M, H]
+    h    = grouped_mm(rows, W1) + b1           [M, 2I] (GLU) or [M, I]
+    a    = act(h) * w_r                        [M, I]   routing weight folded in before the down projection
+    y    = grouped_mm(a, W2) + w_r * b2        [M, H]
+    out  = unpermute(y)                        [N, H]   plain sum of each token's k rows
+
+The backward keeps only `x`, `h` and the sort (no [M, H] tensors): it re-gathers `rows` and recomputes `a`,
+so the activations saved for backward are fewer than a dense MLP's of intermediate size k*I
+(x, h: H + 2kI numbers per token, against H + 4kI for the dense SwiGLU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DispatchOps:
+    """One implementation of each op (pure-torch `reference` or compiled `torch.ops.hf_moe`), and its name.
+
+    `fused_forward` / `fused_backward`, when set, run the whole computation in one call each (compiled CPU);
+    otherwise `ExpertsFunction` composes the ops below.
+    """
+
+    name: str
+    sort_by_expert: Callable
+    permute: Callable
+    unpermute: Callable
+    grouped_mm: Callable
+    grouped_mm_weight_grad: Callable
+    expert_act: Callable
+    expert_act_backward: Callable
+    fused_forward: Callable | None = None
+    fused_backward: Callable | None = None
+
+
+class ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, ops: DispatchOps):
+        ctx.top_k, ctx.activation, ctx.glu, ctx.ops = top_k_index.shape[-1], activation, glu, ops
+        ctx.has_b1 = b1 is not None
+        ctx.weights_dtype = top_k_weights.dtype
+        if ops.fused_forward is not None:
+            out, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight = ops.fused_forward(
+                x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, any(ctx.needs_input_grad)
+            )
+            ctx.save_for_backward(x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2)
+            return out
+        top_k = top_k_index.shape[-1]
+        sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, w1.shape[0])
+        row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
+        rows = ops.permute(x, sorted_slots, top_k)
+        h = ops.grouped_mm(rows, w1, tokens_per_expert, b1, None, True)
+        del rows
+        a = ops.expert_act(h, row_weight, activation, glu)
+        y = ops.grouped_mm(a, w2, tokens_per_expert, b2, row_weight if b2 is not None else None, True)
+        out = ops.unpermute(y, slot_to_row, None, top_k)
+        ctx.save_for_backward(x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2 = ctx.saved_tensors
+        ops, top_k = ctx.ops, ctx.top_k
+        need_x, _, need_weights, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        grad_x = grad_weights = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        if ops.fused_backward is not None:
+            need_params = need_w1 or need_b1 or need_w2 or need_b2
+            grads = ops.fused_backward(
+                grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
+                ctx.activation, ctx.glu, need_x, need_weights, need_params,
+            )
+            wanted = (need_x, need_weights, need_w1, need_b1, need_w2, need_b2)
+            grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2 = (g if w else None for g, w in zip(grads, wanted))
+            if grad_weights is not None:
+                grad_weights = grad_weights.to(ctx.weights_dtype)
+            return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+        g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y
+        if need_w2:
+            a = ops.expert_act(h, row_weight, ctx.activation, ctx.glu)
+            grad_w2 = ops.grouped_mm_weight_grad(g, a, tokens_per_expert)
+            del a
+        if need_b2:
+            grad_b2 = ops.grouped_mm_weight_grad(g, row_weight.to(g.dtype).unsqueeze(1), tokens_per_expert)[..., 0]
+        grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
+        grad_h, grad_row_weight = ops.expert_act_backward(grad_a, h, row_weight, ctx.activation, ctx.glu)
+        del grad_a
+        if need_weights:
+            if b2 is not None:  # d/dw_r of w_r * b2[e] . g_r
+                bias_term = ops.grouped_mm(g, b2.unsqueeze(1), tokens_per_expert, None, None, True)[:, 0]
+                grad_row_weight = grad_row_weight + bias_term.to(grad_row_weight.dtype)
+            grad_weights = grad_row_weight.index_select(0, slot_to_row).view(-1, top_k).to(ctx.weights_dtype)
+        del g
+        if need_w1:
+            rows = ops.permute(x, sorted_slots, top_k)
+            grad_w1 = ops.grouped_mm_weight_grad(grad_h, rows, tokens_per_expert)
+            del rows
+        if need_b1:
+            ones = grad_h.new_ones(grad_h.shape[0], 1)
+            grad_b1 = ops.grouped_mm_weight_grad(grad_h, ones, tokens_per_expert)[..., 0]
+        if need_x:
+            grad_rows = ops.grouped_mm(grad_h, w1, tokens_per_expert, None, None, False)  # [M, H]
+            grad_x = ops.unpermute(grad_rows, slot_to_row, None, top_k)
+        return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def run_experts(
+    ops: DispatchOps,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+) -> torch.Tensor:
+    """[N, H] -> [N, H] through each token's k experts (see the module docstring)."""
+    x = hidden_states.contiguous()
+    weights = top_k_weights.to(x.dtype)
+    return ExpertsFunction.apply(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, ops)

@@ -1,0 +1,129 @@
+"""Building and choosing the compiled extension: on first use, ahead of time, or not at all, with a clear word
+about which backend runs; a failed build falls back to the pure-torch ops with one warning."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_moe.ops import backend_report, load_extension
+from hf_moe.ops.extension import CPU_SOURCES, CSRC, CUDA_SOURCES, source_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny MoE forward+backward in a fresh process; prints the backend that ran.
+_RUN = """
+import warnings, torch
+warnings.simplefilter("always")
+from hf_moe import MoEConfig, SparseMoeBlock
+from hf_moe.ops import dispatch_ops
+from transformers import LlamaConfig
+config = MoEConfig.from_base(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2), num_experts=4, num_experts_per_tok=2)
+block = SparseMoeBlock(config)
+for _ in range(3):
+    block(torch.randn(2, 5, 16, requires_grad=True)).sum().backward()
+print("backend:", dispatch_ops(torch.device("cpu"), "silu").name)
+"""
+
+
+def _run(env: dict, code: str = _RUN) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
+                          cwd=ROOT, timeout=600)
+
+
+def test_compiled_backend_is_active_here():
+    module, status = load_extension()
+    assert module is not None, status.how
+    assert backend_report()["experts (whole layer)"][0].startswith("compiled C++")
+
+
+def test_backend_torch_skips_the_extension(tmp_path):
+    result = _run({"HF_MOE_BACKEND": "torch", "HF_MOE_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "backend: torch" in result.stdout
+    assert not any(tmp_path.iterdir())  # nothing was built
+    env = _run({"HF_MOE_BACKEND": "torch"}, "import hf_moe.env as e; print(e.report())")
+    assert "disabled by HF_MOE_BACKEND=torch" in env.stdout
+
+
+def test_failed_build_falls_back_with_one_warning(tmp_path):
+    if importlib_spec_exists("hf_moe._C"):
+        pytest.skip("a prebuilt hf_moe._C is installed; the fallback is exercised without one")
+    result = _run({"HF_MOE_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"})
+    assert result.returncode == 0, result.stderr
+    assert "backend: torch" in result.stdout
+    assert result.stderr.count("could not be built") == 1, result.stderr
+    forced = _run({"HF_MOE_CACHE": str(tmp_path / "2"), "CXX": "/bin/false", "HF_MOE_BACKEND": "compiled"})
+    assert forced.returncode != 0 and "HF_MOE_BACKEND=compiled" in forced.stderr
+
+
+def importlib_spec_exists(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def test_bad_backend_setting_is_an_error():
+    result = _run({"HF_MOE_BACKEND": "fast"})
+    assert result.returncode != 0 and "HF_MOE_BACKEND must be auto, torch or compiled" in result.stderr
+
+
+def test_source_hash_covers_the_sources():
+    assert source_hash(False) != source_hash(True)
+    assert all((CSRC / s).is_file() for s in CPU_SOURCES + CUDA_SOURCES)
+
+
+@pytest.mark.slow
+def test_ahead_of_time_build_with_setup_py(tmp_path):
+    """HF_MOE_BUILD_EXT=1 builds hf_moe._C, stamped with the hash of its sources, and its ops run."""
+    env = {**os.environ, "HF_MOE_BUILD_EXT": "1"}
+    build = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+         "--build-temp", str(tmp_path / "tmp")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    (so,) = (tmp_path / "lib" / "hf_moe").glob("_C*.so")
+    assert f"hf_moe_source_hash={source_hash(False)}".encode() in so.read_bytes()
+    check = _run({}, f"""
+import torch
+torch.ops.load_library({str(so)!r})
+ids = torch.tensor([[2, 0], [1, 2]])
+print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())
+""")
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.strip() == "[1, 1, 2]"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+    """Compile-only check of csrc/cuda/*.cu (no GPU needed): the CUDA kernels build with the local nvcc."""
+    from torch.utils.cpp_extension import include_paths
+    import sysconfig
+
+    includes = [str(ROOT / "tests" / "cuda_shim"), *include_paths(), sysconfig.get_paths()["include"]]
+    flags = [
+        "-std=c++20", "-O3", "--use_fast_math", "-DHF_MOE_WITH_CUDA", "--expt-relaxed-constexpr",
+        "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "-D__CUDA_NO_HALF2_OPERATORS__", "-gencode", "arch=compute_90,code=sm_90", "-Xcompiler", "-fPIC",
+    ]
+    jobs = [
+        subprocess.Popen(
+            ["nvcc", "-c", str(CSRC / source), "-o", str(tmp_path / f"{i}.o"), *flags, *(f"-I{p}" for p in includes)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i, source in enumerate(CUDA_SOURCES)
+    ]
+    for source, job in zip(CUDA_SOURCES, jobs):
+        output, _ = job.communicate(timeout=900)
+        assert job.returncode == 0, f"{source} does not compile:\n{output[-4000:]}"
+        assert " error" not in output, output[-4000:]
+    assert torch.__version__  # the headers of this torch were used
