@@ -28,7 +28,9 @@ import torch
 
 logger = logging.getLogger("hf_moe")
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_HERE = Path(__file__).resolve()
+# csrc/ at the top of a source checkout (and of editable installs); inside the package (hf_moe/csrc) in a wheel.
+CSRC = _HERE.parents[2] / "csrc" if (_HERE.parents[2] / "csrc" / "ops.cpp").is_file() else _HERE.parents[1] / "csrc"
 CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp"]
 HEADERS = ["hf_moe.h", "cpu/activation_cpu.h"]
 CUDA_SOURCES = ["cuda/dispatch_cuda.cu", "cuda/experts_cuda.cu"]
