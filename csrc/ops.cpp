@@ -36,8 +36,8 @@ TORCH_LIBRARY(hf_moe, m) {
   m.def("grouped_mm_weight_grad(Tensor grad_out, Tensor x, Tensor tokens_per_expert) -> Tensor");
   m.def("expert_act(Tensor h, Tensor? row_scale, str activation, bool glu) -> Tensor");
   m.def(
-      "expert_act_backward(Tensor grad, Tensor h, Tensor? row_scale, str activation, bool glu) -> "
-      "(Tensor, Tensor)");
+      "expert_act_backward(Tensor grad, Tensor h, Tensor? row_scale, str activation, bool glu, "
+      "bool return_output) -> (Tensor, Tensor, Tensor)");
   // The whole expert computation in one call (CPU): (out, h, sorted_slots, slot_to_row, tokens_per_expert,
   // row_weight). h is empty unless save_h.
   m.def(

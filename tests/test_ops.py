@@ -237,10 +237,13 @@ def test_compiled_activation_matches_reference(activation, glu, dtype, device, c
         torch.testing.assert_close(
             compiled.expert_act(h, scale, activation, glu), ref.expert_act(h, scale, activation, glu), **_tol(dtype)
         )
-        got = compiled.expert_act_backward(grad, h, scale, activation, glu)
-        want = ref.expert_act_backward(grad, h, scale, activation, glu)
-        torch.testing.assert_close(got[0], want[0], **_tol(dtype))
-        torch.testing.assert_close(got[1], want[1], **_tol(dtype))
+        for return_output in (False, True):
+            got = compiled.expert_act_backward(grad, h, scale, activation, glu, return_output)
+            want = ref.expert_act_backward(grad, h, scale, activation, glu, return_output)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, **_tol(dtype))
+            if return_output:
+                torch.testing.assert_close(want[2], ref.expert_act(h, scale, activation, glu))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -89,16 +89,19 @@ at::Tensor expert_act_cpu(const at::Tensor& h, const c10::optional<at::Tensor>& 
   return out;
 }
 
-// Backward of expert_act: (grad_h [M, W], grad_row_scale [M], or [0] without row_scale).
-std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& grad, const at::Tensor& h,
-                                                           const c10::optional<at::Tensor>& row_scale,
-                                                           c10::string_view activation, bool glu) {
+// Backward of expert_act: (grad_h [M, W], grad_row_scale [M] or [0] without row_scale, and the forward output
+// [M, I] when return_output (it is computed on the way; the caller needs it for the next weight gradient)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& grad, const at::Tensor& h,
+                                                                       const c10::optional<at::Tensor>& row_scale,
+                                                                       c10::string_view activation, bool glu,
+                                                                       bool return_output) {
   const Activation act = parse_activation(std::string(activation));
   const int64_t m = h.size(0), width = glu ? h.size(1) / 2 : h.size(1);
   auto grad_h = at::empty_like(h);
   at::Tensor scale = row_scale.has_value() ? row_scale->to(h.scalar_type()) : at::Tensor();
   const auto acc = h.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;  // reduce in fp32 at least
   auto grad_scale = at::empty({scale.defined() ? m : 0}, h.options().dtype(acc));
+  auto output = at::empty({return_output ? m : 0, width}, h.options());
   auto g_all = grad.contiguous();
   at::parallel_for(0, m, row_grain(m, width), [&](int64_t r0, int64_t r1) {
     const int64_t n = r1 - r0;
@@ -106,18 +109,24 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& gra
     auto gate = h_c.narrow(1, 0, width);
     auto g = g_all.narrow(0, r0, n);
     auto grad_gate = grad_h.narrow(0, r0, n).narrow(1, 0, width);
-    at::Tensor value;  // the unscaled output, needed for grad_row_scale and the GLU's up branch
-    if (glu || scale.defined()) {
+    at::Tensor value;  // act(gate): for grad_row_scale, the GLU's up branch and the returned output
+    if (glu || scale.defined() || return_output) {
       value = at::empty_like(gate);
       activation_out(value, gate, act);
     }
-    if (scale.defined()) {
-      auto s = scale.narrow(0, r0, n).unsqueeze(1);
-      auto out_value = glu ? value * h_c.narrow(1, width, width) : value;
-      auto gs = grad_scale.narrow(0, r0, n);
-      at::sum_out(gs, at::mul(g.to(acc), out_value.to(acc)), {1});  // not in place: g may alias the input
-      g = g * s;
+    if (scale.defined() || return_output) {
+      auto out_value = glu ? value * h_c.narrow(1, width, width) : value;  // the unscaled output
+      if (scale.defined()) {
+        auto gs = grad_scale.narrow(0, r0, n);
+        at::sum_out(gs, at::mul(g.to(acc), out_value.to(acc)), {1});  // not in place: g may alias the input
+      }
+      if (return_output) {
+        auto o = output.narrow(0, r0, n);
+        if (scale.defined()) at::mul_out(o, out_value, scale.narrow(0, r0, n).unsqueeze(1));
+        else o.copy_(out_value);
+      }
     }
+    if (scale.defined()) g = g * scale.narrow(0, r0, n).unsqueeze(1);
     if (glu) {
       auto grad_up = grad_h.narrow(0, r0, n).narrow(1, width, width);
       at::mul_out(grad_up, g, value);
@@ -127,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cpu(const at::Tensor& gra
     }
   });
   grad_scale = grad_scale.to(scale.defined() ? row_scale->scalar_type() : h.scalar_type());
-  return {grad_h, grad_scale};
+  return {grad_h, grad_scale, output};
 }
 
 }  // namespace

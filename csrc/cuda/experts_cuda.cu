@@ -145,7 +145,8 @@ __global__ void act_kernel(const scalar_t* __restrict__ h, const scalar_t* __res
 template <typename scalar_t, typename acc_t>
 __global__ void act_backward_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ h,
                                     const scalar_t* __restrict__ scale, int64_t width, bool glu, int act,
-                                    scalar_t* __restrict__ grad_h, acc_t* __restrict__ grad_scale) {
+                                    scalar_t* __restrict__ grad_h, acc_t* __restrict__ grad_scale,
+                                    scalar_t* __restrict__ output) {
   const int64_t r = blockIdx.x;
   const int64_t stride = glu ? 2 * width : width;
   const acc_t s = scale ? static_cast<acc_t>(scale[r]) : acc_t(1);
@@ -158,6 +159,7 @@ __global__ void act_backward_kernel(const scalar_t* __restrict__ grad, const sca
     partial += g * a * up;
     grad_h[r * stride + c] = static_cast<scalar_t>(g * s * up * act_grad<acc_t>(x, act));
     if (glu) grad_h[r * stride + width + c] = static_cast<scalar_t>(g * s * a);
+    if (output) output[r * width + c] = static_cast<scalar_t>(a * up * s);
   }
   if (grad_scale == nullptr) return;
   __shared__ acc_t warp_sums[32];
@@ -192,9 +194,10 @@ at::Tensor expert_act_cuda(const at::Tensor& h, const c10::optional<at::Tensor>&
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> expert_act_backward_cuda(const at::Tensor& grad, const at::Tensor& h,
-                                                            const c10::optional<at::Tensor>& row_scale,
-                                                            c10::string_view activation, bool glu) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> expert_act_backward_cuda(const at::Tensor& grad, const at::Tensor& h,
+                                                                        const c10::optional<at::Tensor>& row_scale,
+                                                                        c10::string_view activation, bool glu,
+                                                                        bool return_output) {
   const c10::cuda::CUDAGuard guard(h.device());
   const int act = act_code(parse_activation(std::string(activation)));
   auto hc = h.contiguous();
@@ -204,17 +207,19 @@ std::tuple<at::Tensor, at::Tensor> expert_act_backward_cuda(const at::Tensor& gr
   at::Tensor scale = row_scale.has_value() ? row_scale->to(hc.scalar_type()).contiguous() : at::Tensor();
   const auto acc = hc.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto grad_scale = at::empty({scale.defined() ? rows : 0}, hc.options().dtype(acc));
+  auto output = at::empty({return_output ? rows : 0, width}, hc.options());
   if (rows > 0 && width > 0) {
     const int threads = static_cast<int>(std::min<int64_t>(256, ((width + 31) / 32) * 32));
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hc.scalar_type(), "expert_act_backward_cuda", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       act_backward_kernel<scalar_t, acc_t><<<rows, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           g.data_ptr<scalar_t>(), hc.data_ptr<scalar_t>(), scale.defined() ? scale.data_ptr<scalar_t>() : nullptr,
-          width, glu, act, grad_h.data_ptr<scalar_t>(), scale.defined() ? grad_scale.data_ptr<acc_t>() : nullptr);
+          width, glu, act, grad_h.data_ptr<scalar_t>(), scale.defined() ? grad_scale.data_ptr<acc_t>() : nullptr,
+          return_output ? output.data_ptr<scalar_t>() : nullptr);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return {grad_h, grad_scale.to(scale.defined() ? row_scale->scalar_type() : hc.scalar_type())};
+  return {grad_h, grad_scale.to(scale.defined() ? row_scale->scalar_type() : hc.scalar_type()), output};
 }
 
 }  // namespace

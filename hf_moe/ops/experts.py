@@ -84,15 +84,15 @@ class ExpertsFunction(torch.autograd.Function):
             return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
 
         g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y
+        grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
+        # The backward of the activation recomputes it, and hands back `a` (= act(h) * w) for grad_w2.
+        grad_h, grad_row_weight, a = ops.expert_act_backward(grad_a, h, row_weight, ctx.activation, ctx.glu, need_w2)
+        del grad_a
         if need_w2:
-            a = ops.expert_act(h, row_weight, ctx.activation, ctx.glu)
             grad_w2 = ops.grouped_mm_weight_grad(g, a, tokens_per_expert)
-            del a
+        del a
         if need_b2:
             grad_b2 = ops.grouped_mm_weight_grad(g, row_weight.to(g.dtype).unsqueeze(1), tokens_per_expert)[..., 0]
-        grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
-        grad_h, grad_row_weight = ops.expert_act_backward(grad_a, h, row_weight, ctx.activation, ctx.glu)
-        del grad_a
         if need_weights:
             if b2 is not None:  # d/dw_r of w_r * b2[e] . g_r
                 bias_term = ops.grouped_mm(g, b2.unsqueeze(1), tokens_per_expert, None, None, True)[:, 0]

@@ -169,9 +169,10 @@ def register_fake_kernels() -> None:
         return h.new_empty(h.shape[0], h.shape[1] // 2 if glu else h.shape[1])
 
     @torch.library.register_fake(lib + "expert_act_backward")
-    def _(grad, h, row_scale, activation, glu):
-        scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=(row_scale if row_scale is not None else h).dtype)
-        return torch.empty_like(h), scale
+    def _(grad, h, row_scale, activation, glu, return_output):
+        scale_dtype = (row_scale if row_scale is not None else h).dtype
+        scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
+        return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
 
     @torch.library.register_fake(lib + "moe_experts_forward")
     def _(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):

@@ -105,9 +105,11 @@ def grouped_mm(
             keep = covered.unsqueeze(1).to(b.dtype)
             out = out + b * (keep if bias_scale is None else keep * bias_scale.unsqueeze(1).to(b.dtype))
         return out
-    out = x.new_zeros(x.shape[0], w.shape[-1])
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    sizes = tokens_per_expert.tolist()
+    out[sum(sizes) :].zero_()  # rows of dropped pairs
     start = 0
-    for e, size in enumerate(tokens_per_expert.tolist()):
+    for e, size in enumerate(sizes):
         if size:
             end = start + size
             if bias is None:
@@ -130,12 +132,14 @@ def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_e
     num_experts = tokens_per_expert.shape[0]
     if _use_grouped_mm(x, grad_out):
         return torch.nn.functional.grouped_mm(grad_out.t(), x, offs=_offsets(tokens_per_expert))
-    out = x.new_zeros(num_experts, grad_out.shape[1], x.shape[1])
+    out = x.new_empty(num_experts, grad_out.shape[1], x.shape[1])
     start = 0
     for e, size in enumerate(tokens_per_expert.tolist()):
         if size:
             torch.mm(grad_out[start : start + size].t(), x[start : start + size], out=out[e])
             start += size
+        else:
+            out[e].zero_()
     return out
 
 
@@ -154,14 +158,57 @@ def expert_act(h: torch.Tensor, row_scale: torch.Tensor | None, activation: str,
     return out if row_scale is None else out * row_scale.to(out.dtype).unsqueeze(1)
 
 
+def _activation_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """act'(x) * grad for the kernel activations, None for others."""
+    aten = torch.ops.aten
+    if name == "silu":
+        return aten.silu_backward(grad, x)
+    if name in ("gelu", "gelu_tanh"):
+        return aten.gelu_backward(grad, x, approximate="tanh" if name == "gelu_tanh" else "none")
+    if name == "relu":
+        return aten.threshold_backward(grad, x, 0)
+    if name == "relu2":
+        return grad * x.clamp_min(0).mul_(2)
+    return None
+
+
 def expert_act_backward(
-    grad: torch.Tensor, h: torch.Tensor, row_scale: torch.Tensor | None, activation: str, glu: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward of `expert_act`: (grad_h [M, W], grad_row_scale [M], empty without row_scale)."""
-    with torch.enable_grad():
-        h_ = h.detach().requires_grad_(True)
-        scale = row_scale.detach().requires_grad_(True) if row_scale is not None else None
-        out = expert_act(h_, scale, activation, glu)
-        inputs = (h_,) if scale is None else (h_, scale)
-        grads = torch.autograd.grad(out, inputs, grad)
-    return grads[0], (grads[1] if scale is not None else h.new_empty(0))
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    row_scale: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+    return_output: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of `expert_act`: (grad_h [M, W], grad_row_scale [M] or [0] without row_scale, and the forward
+    output [M, I] when `return_output`, else [0, I]: it is computed on the way, and the caller needs it next)."""
+    width = h.shape[1] // 2 if glu else h.shape[1]
+    gate = h[:, :width]
+    if activation not in KERNEL_ACTIVATIONS:  # any other ACT2FN activation: let autograd differentiate it
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_(True)
+            scale = row_scale.detach().requires_grad_(True) if row_scale is not None else None
+            out = expert_act(h_, scale, activation, glu)
+            grads = torch.autograd.grad(out, (h_,) if scale is None else (h_, scale), grad)
+        output = out.detach() if return_output else h.new_empty(0, width)
+        return grads[0], (grads[1] if scale is not None else h.new_empty(0)), output
+    act = _activation(activation)(gate)
+    value = act * h[:, width:] if glu else act  # the unscaled output
+    grad_scale = h.new_empty(0)
+    output = h.new_empty(0, width)
+    if row_scale is not None:
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        grad_scale = (grad.to(acc) * value.to(acc)).sum(1).to(row_scale.dtype)
+        scale = row_scale.to(grad.dtype).unsqueeze(1)
+        grad = grad * scale
+        if return_output:
+            output = value * scale
+    elif return_output:
+        output = value
+    grad_h = torch.empty_like(h)
+    if glu:
+        torch.mul(grad, act, out=grad_h[:, width:])
+        grad_h[:, :width] = _activation_backward(activation, grad * h[:, width:], gate)
+    else:
+        grad_h.copy_(_activation_backward(activation, grad, gate))
+    return grad_h, grad_scale, output
