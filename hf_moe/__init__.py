@@ -14,11 +14,12 @@ from .checkpoint import EXPERT_PARAM_NAMES, CheckpointError
 from .configuration import MoEConfig
 from .convert.adapters import NoMLPFoundError
 from .convert.api import convert_to_moe
-from .layers import Experts, SparseMoeBlock, TopKRouter
-from .losses import load_balancing_loss
+from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
+from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
 from .ops import experts_interface
 from .training import trainer_compat
+from .training.monitor import MoEMonitorCallback
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
@@ -36,14 +37,20 @@ trainer_compat.install()
 experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
 
 __all__ = [
+    "ROUTERS",
     "CheckpointError",
     "Experts",
     "MoEConfig",
     "MoEForCausalLM",
+    "MoEMonitorCallback",
     "NoMLPFoundError",
+    "Router",
+    "RouterOutput",
     "SparseMoeBlock",
     "TopKRouter",
     "__version__",
     "convert_to_moe",
     "load_balancing_loss",
+    "register_router",
+    "router_z_loss",
 ]

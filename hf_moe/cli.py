@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -30,10 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
     convert.add_argument("--noise", type=float, default=0.0, help="relative std of noise on each expert copy")
     convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--router", default="topk", help="router type: topk, noisy_topk, switch, gshard, "
+                         "prototype, expert_choice, aux_free (or a registered one)")
+    convert.add_argument("--capacity-factor", type=float, help="expert capacity factor (default: dropless)")
     convert.add_argument("--max-shard-size", default="5GB")
 
-    inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint without loading its weights")
+    inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
     inspect.add_argument("dir")
+    inspect.add_argument("--routing", action="store_true", help="run the model over --data and show the routing")
+    inspect.add_argument("--data", help="text file for --routing")
+    inspect.add_argument("--max-tokens", type=int, default=4096)
+    inspect.add_argument("--heatmap", help="PNG path for the layers x experts load heatmap (default: DIR/routing.png)")
     return parser
 
 
@@ -41,7 +49,9 @@ def _convert(args) -> None:
     from .convert.api import convert_to_moe
 
     start = time.perf_counter()
-    options = {"noise": args.noise, "seed": args.seed}
+    options = {"noise": args.noise, "seed": args.seed, "router_type": args.router}
+    if args.capacity_factor is not None:
+        options["capacity_factor"] = args.capacity_factor
     if args.every is not None:
         options["every"] = args.every
     if args.dtype:
@@ -76,9 +86,22 @@ def _copy_tokenizer(src: str, out: str) -> None:
 
 
 def _inspect(args) -> None:
-    from .inspect import format_summary, summarize_checkpoint
+    from .inspect import format_routing, format_summary, routing_summary, save_heatmap, summarize_checkpoint
 
     print(format_summary(summarize_checkpoint(args.dir), args.dir))
+    if not args.routing:
+        return
+    if not args.data:
+        raise ValueError("--routing needs --data FILE, a text file to run the model over.")
+    config, summary, tokens = routing_summary(args.dir, args.data, max_tokens=args.max_tokens)
+    print()
+    print(format_routing(config, summary, tokens))
+    heatmap = args.heatmap or os.path.join(args.dir, "routing.png")
+    try:
+        save_heatmap(config, summary, heatmap)
+        print(f"heatmap: {heatmap}")
+    except ImportError as err:
+        print(f"(no heatmap: {err})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .layers.router import ROUTERS
+
 # Version of the on-disk layout (`checkpoint.py`). A reader refuses a checkpoint with a newer format.
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -39,6 +41,15 @@ class MoEConfig(PreTrainedConfig):
         expert_bias (`bool`): experts have biases on both projections.
         expert_hidden_act (`str`): activation, a key of `transformers.activations.ACT2FN`.
         moe_output_dropout (`float`): dropout on the block output, when the dense MLP had one inside.
+        router_type (`str`): a registered router (`hf_moe.layers.router`): topk, noisy_topk, switch, gshard,
+            prototype, expert_choice, aux_free, or one registered with `hf_moe.register_router`.
+        capacity_factor (`float`): each expert takes at most ceil(factor * tokens * k / E) (token, slot) pairs in
+            training; the rest are dropped (zero output; the residual carries the token). None: dropless.
+        eval_capacity_factor (`float`): the same outside training; None uses `capacity_factor`.
+        router_jitter_noise (`float`): multiplicative jitter on the router input in training (switch).
+        router_z_loss_coef (`float`): weight of the router z-loss (ST-MoE) added in training.
+        num_prototypes (`int`): prototypes of the prototype router (default: top-k).
+        router_bias_update_rate (`float`): step of the aux_free router's bias update.
         router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
             uses the base model's `initializer_range` (or `init_std`).
         decoder_layers_path (`str`): attribute path from the model to its list of decoder layers.
@@ -64,6 +75,13 @@ class MoEConfig(PreTrainedConfig):
     expert_bias: bool = False
     expert_hidden_act: str = "silu"
     moe_output_dropout: float = 0.0
+    router_type: str = "topk"
+    capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None
+    router_jitter_noise: float = 0.0
+    router_z_loss_coef: float = 0.0
+    num_prototypes: int | None = None
+    router_bias_update_rate: float = 0.001
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
     moe_block_path: str = "mlp"
@@ -117,6 +135,15 @@ class MoEConfig(PreTrainedConfig):
             raise ValueError("moe_layers is empty: choose at least one decoder layer to make an MoE layer.")
         if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size}.")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive (or None for dropless), got {value}.")
+        if self.router_type not in ROUTERS:
+            raise ValueError(
+                f"Unknown router_type {self.router_type!r}. Registered routers: {', '.join(sorted(ROUTERS))}. "
+                "A custom router must be registered (@hf_moe.register_router) before the config is created."
+            )
 
     @property
     def moe_init_std(self) -> float:

@@ -110,3 +110,78 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
         lines.append(f"  conversion       {conv.get('method')}: max |logit - dense logit| = {diff:.2e} on a random probe")
     return "\n".join(lines)
 
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Routing over a text file
+# --------------------------------------------------------------------------------------------------------------
+def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: int = 4096, block_size: int = 256):
+    """Run the saved model (eval mode) over the first `max_tokens` tokens of a text file and summarise, per MoE
+    layer, how its router spread them (see `RoutingStats.summary`). Returns (config, summary, tokens read)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .modeling import MoEForCausalLM
+    from .routing import RouterRecorder, RoutingStats
+
+    data_file = Path(data_file)
+    if not data_file.is_file():
+        raise FileNotFoundError(f"--data {data_file}: no such file.")
+    model = MoEForCausalLM.from_pretrained(directory).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except Exception as err:
+        raise FileNotFoundError(f"{directory} has no tokenizer to read {data_file} with ({err}).") from None
+    ids = tokenizer(data_file.read_text(errors="replace"))["input_ids"][:max_tokens]
+    if not ids:
+        raise ValueError(f"{data_file} has no text to route.")
+    stats = RoutingStats(len(model.config.moe_layers), model.config.num_experts, torch.device("cpu"))
+    zero = torch.zeros(())
+    with torch.no_grad(), RouterRecorder(model) as recorder:
+        for start in range(0, len(ids), block_size):
+            recorder.outputs.clear()
+            model(torch.tensor([ids[start : start + block_size]]))
+            for layer, routing in enumerate(recorder.outputs):
+                stats.add(layer, routing, None, zero)
+    return model.config, stats.summary(), len(ids)
+
+
+def format_routing(config, summary: list[dict], num_tokens: int) -> str:
+    """A layers x experts table of load shares (%), with max/mean, CV, drops and entropy per layer."""
+    experts = config.num_experts
+    shown = min(experts, 16)
+    head = " ".join(f"{f'e{e}':>5}" for e in range(shown)) + (" ..." if experts > shown else "")
+    lines = [
+        f"routing of {num_tokens} tokens (eval mode; router {config.router_type}, top-{config.num_experts_per_tok}, "
+        f"uniform share {100 / experts:.1f}%)",
+        f"{'layer':>5} {head}  {'max/mean':>8} {'cv':>6} {'dropped':>7} {'entropy':>7}",
+    ]
+    for layer, values in zip(config.moe_layers, summary):
+        shares = " ".join(f"{100 * s:5.1f}" for s in values["load"][:shown]) + (" ..." if experts > shown else "")
+        lines.append(
+            f"{layer:>5} {shares}  {values['load_max_over_mean']:8.2f} {values['load_cv']:6.2f} "
+            f"{100 * values['drop_fraction']:6.1f}% {values['router_entropy']:7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def save_heatmap(config, summary: list[dict], path: str | Path) -> None:
+    """Layers x experts heatmap of the load shares, as a PNG (needs matplotlib: pip install hf-moe[plot])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("The routing heatmap needs matplotlib: `pip install hf-moe[plot]`.") from None
+    shares = [[100 * s for s in values["load"]] for values in summary]
+    fig, ax = plt.subplots(figsize=(max(4, 0.4 * config.num_experts + 2), max(3, 0.3 * len(shares) + 1.5)))
+    image = ax.imshow(shares, aspect="auto", cmap="viridis")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_yticks(range(len(shares)), [str(i) for i in config.moe_layers])
+    ax.set_title(f"tokens per expert (%), uniform = {100 / config.num_experts:.1f}%")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

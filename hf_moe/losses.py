@@ -2,46 +2,58 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
+def _token_weight(num_tokens: int, token_mask: torch.Tensor | None, device) -> torch.Tensor:
+    if token_mask is None:
+        return torch.ones(num_tokens, device=device)
+    return token_mask.reshape(-1).to(device=device, dtype=torch.float32)
+
+
 def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor],
-    top_k_index: Sequence[torch.Tensor],
+    router_probs: torch.Tensor,
+    top_k_index: torch.Tensor,
     num_experts: int,
     token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Switch Transformer load-balancing loss, averaged over MoE layers.
+    """Switch Transformer load-balancing loss of one MoE layer.
 
-    For one layer, with f_e the fraction of (token, slot) assignments that went to expert e and P_e the mean
-    router probability of expert e over the tokens:
+    With f_e the fraction of the (token, slot) choices that went to expert e, and P_e the mean router probability
+    of expert e over the tokens:
 
         loss = E * sum_e f_e * P_e
 
-    It is 1.0 when routing is uniform, whatever k. (transformers' `load_balancing_loss_func` counts
-    assignments per token rather than per slot, so its value is k times this one.)
+    It is 1.0 when routing is uniform, whatever k. (transformers' `load_balancing_loss_func` counts choices per
+    token rather than per slot, so its value is k times this one.) The choices are the router's, before capacity
+    drops: the loss pushes toward the balance that would avoid them.
 
     Args:
-        router_logits: per MoE layer, [N, E] logits (any dtype; upcast to fp32).
-        top_k_index: per MoE layer, [N, k] chosen experts.
-        token_mask: [N] bool/0-1, True for real tokens; padding is left out of both f and P.
+        router_probs: [N, E] routing distribution (any float dtype; upcast to fp32).
+        top_k_index: [N, k] chosen experts; ids outside [0, E) (slots a router chose not to send) are ignored.
+        token_mask: [N] bool or 0/1, True for real tokens; padding is left out of both f and P.
     Returns:
         fp32 scalar.
     """
-    losses = []
-    for logits, index in zip(router_logits, top_k_index, strict=True):
-        probs = logits.float().softmax(dim=-1)  # [N, E]
-        k = index.shape[-1]
-        if token_mask is None:
-            weight = torch.ones(probs.shape[0], device=probs.device)
-        else:
-            weight = token_mask.reshape(-1).to(device=probs.device, dtype=torch.float32)
-        num_tokens = weight.sum().clamp_min(1.0)
-        assignments = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
-        assignments.scatter_add_(0, index.reshape(-1), weight.repeat_interleave(k))
-        fraction = assignments / (num_tokens * k)  # f_e, no gradient: it comes from an argmax
-        mean_prob = (probs * weight.unsqueeze(-1)).sum(0) / num_tokens  # P_e
-        losses.append(num_experts * torch.dot(fraction, mean_prob))
-    return torch.stack(losses).mean()
+    probs = router_probs.float()
+    weight = _token_weight(probs.shape[0], token_mask, probs.device)
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
+    counts.scatter_add_(0, flat.clamp(0, num_experts - 1), weight.repeat_interleave(k) * valid)
+    num_tokens = weight.sum().clamp_min(1.0)
+    fraction = counts / (num_tokens * k)  # f_e; no gradient: it comes from an argmax
+    mean_prob = (probs * weight.unsqueeze(-1)).sum(0) / num_tokens  # P_e
+    return num_experts * torch.dot(fraction, mean_prob)
+
+
+def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss of one layer: mean over tokens of logsumexp(logits)^2, in fp32.
+
+    Args:
+        router_logits: [N, E]; token_mask: [N], True for real tokens.
+    """
+    z = torch.logsumexp(router_logits.float(), dim=-1) ** 2  # [N]
+    weight = _token_weight(z.shape[0], token_mask, z.device)
+    return (z * weight).sum() / weight.sum().clamp_min(1.0)

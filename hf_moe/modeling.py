@@ -15,6 +15,7 @@ import os
 import sys
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,9 +24,22 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
 from .configuration import MoEConfig, moe_config_class
-from .layers import SparseMoeBlock
-from .losses import load_balancing_loss
-from .routing import RouterRecorder, moe_blocks
+from .layers import RouterOutput, SparseMoeBlock
+from .layers.router import AuxFreeRouter
+from .losses import load_balancing_loss, router_z_loss
+from .routing import RouterRecorder, RoutingStats, moe_blocks
+from .training import aux_free
+
+@dataclass
+class MoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """transformers' `MoeCausalLMOutputWithPast`, plus the router z-loss.
+
+    aux_loss: the load-balancing loss (fp32, averaged over MoE layers; without its coefficient).
+    z_loss: the router z-loss (fp32, averaged over MoE layers; without its coefficient).
+    """
+
+    z_loss: torch.FloatTensor | None = None
+
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
@@ -53,6 +67,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         super().__init__(config, *args, **kwargs)  # the base architecture, dense MLPs included
         install_moe_blocks(self, config)  # new blocks initialise themselves (see `reset_parameters`)
         self.post_init()  # recomputes the tied-weight map and the other per-model properties
+        aux_free.track(self)
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction
@@ -72,6 +87,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             if getattr(module, "config", None) is old_config:
                 module.config = config
         install_moe_blocks(model, config, blocks)
+        aux_free.track(model)
         return model
 
     @classmethod
@@ -106,7 +122,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
     # ----------------------------------------------------------------------------------------------------------
     # Forward
     # ----------------------------------------------------------------------------------------------------------
-    def _moe_forward(self, base_forward, **kwargs) -> MoeCausalLMOutputWithPast | tuple:
+    def _moe_forward(self, base_forward, **kwargs) -> MoECausalLMOutputWithPast | tuple:
         output_router_logits = kwargs.pop("output_router_logits", None)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -117,29 +133,70 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         with RouterRecorder(self) if record else nullcontext() as recorder:
             outputs = base_forward(self, **kwargs)
 
-        loss, aux_loss = outputs.loss, None
-        if recorder is not None and recorder.router_logits:
-            aux_loss = load_balancing_loss(
-                recorder.router_logits,
-                recorder.top_k_index,
-                self.config.num_experts,
-                _token_mask(kwargs.get("attention_mask"), recorder.router_logits[0].shape[0]),
-            )
-            if labels is not None and loss is not None and self.training and self.config.router_aux_loss_coef:
-                self._check_aux_loss_has_grad(aux_loss)
-                weight = _aux_loss_weight(labels, kwargs.get("num_items_in_batch"))
-                loss = loss + self.config.router_aux_loss_coef * weight * aux_loss.to(loss.dtype)
+        loss = outputs.loss
+        aux_loss = z_loss = None
+        if recorder is not None and recorder.outputs:
+            aux_loss, z_loss = self._router_losses(recorder.outputs, kwargs.get("attention_mask"))
+            if labels is not None and loss is not None and self.training:
+                c = self.config
+                extra = c.router_z_loss_coef * z_loss
+                if aux_loss is not None and c.router_aux_loss_coef:
+                    self._check_aux_loss_has_grad(aux_loss)
+                    extra = extra + c.router_aux_loss_coef * aux_loss
+                loss = loss + _aux_loss_weight(labels, kwargs.get("num_items_in_batch")) * extra.to(loss.dtype)
 
-        result = MoeCausalLMOutputWithPast(
+        result = MoECausalLMOutputWithPast(
             loss=loss,
             aux_loss=aux_loss,
+            z_loss=z_loss,
             logits=outputs.logits,
             past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
-            router_logits=tuple(recorder.router_logits) if output_router_logits else None,
+            router_logits=tuple(r.router_logits for r in recorder.outputs) if output_router_logits else None,
         )
         return result if return_dict is not False else result.to_tuple()
+
+    def _router_losses(self, routings: list[RouterOutput], attention_mask) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(balancing loss averaged over the token-choice layers, or None; z-loss averaged over all layers).
+
+        In training, also adds each layer's numbers to `routing_stats` and the loads to aux_free routers.
+        """
+        num_experts = self.config.num_experts
+        mask = _token_mask(attention_mask, routings[0].router_logits.shape[0])
+        balance = [
+            None if r.is_expert_choice else load_balancing_loss(r.router_probs, r.top_k_index, num_experts, mask)
+            for r in routings
+        ]
+        z = [router_z_loss(r.router_logits, mask) for r in routings]
+        if self.training:
+            stats = self.routing_stats
+            for layer, (block, routing) in enumerate(zip(moe_blocks(self), routings)):
+                stats.add(layer, routing, balance[layer], z[layer])
+                if isinstance(block.gate, AuxFreeRouter):
+                    block.gate.record_load(routing.expert_load(num_experts))
+        token_choice = [b for b in balance if b is not None]
+        return (torch.stack(token_choice).mean() if token_choice else None), torch.stack(z).mean()
+
+    @property
+    def routing_stats(self) -> RoutingStats:
+        """Routing statistics summed over training forwards since the last reset (see `RoutingStats`)."""
+        stats = self.__dict__.get("_routing_stats")
+        device = moe_blocks(self)[0].gate.weight.device
+        if stats is None or stats.load.device != device:
+            stats = RoutingStats(len(self.config.moe_layers), self.config.num_experts, device)
+            self.__dict__["_routing_stats"] = stats  # a plain attribute: not a buffer, not in the state dict
+        return stats
+
+    def update_router_biases(self) -> None:
+        """Move the selection bias of every aux_free router toward balance, from the loads since the last call.
+
+        Called after each optimizer step automatically (hf_moe/training/aux_free.py); call it yourself only with
+        an optimizer that is not a `torch.optim.Optimizer`.
+        """
+        for block in moe_blocks(self):
+            if isinstance(block.gate, AuxFreeRouter):
+                block.gate.update_bias()
 
     def _check_aux_loss_has_grad(self, aux_loss: torch.Tensor) -> None:
         if torch.is_grad_enabled() and not aux_loss.requires_grad:

@@ -80,3 +80,10 @@ def test_env_report_names_every_op():
     for op in ("sort_by_expert", "permute", "grouped_mm", "expert_act", "unpermute", "experts (whole layer)"):
         assert op in result.stdout
     assert "torch" in result.stdout and "transformers" in result.stdout
+
+
+def test_router_options(dense_dir, tmp_path):
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "4", "--top-k", "1",
+                 "--router", "switch", "--capacity-factor", "1.5"]) == 0
+    config = MoEForCausalLM.from_pretrained(tmp_path / "m").config
+    assert (config.router_type, config.capacity_factor, config.num_experts_per_tok) == ("switch", 1.5, 1)

@@ -192,13 +192,16 @@ def test_aux_loss_weight_follows_num_items_in_batch():
 
 def test_loss_function_unit_cases():
     # Uniform routing over E experts balances perfectly: loss 1.
-    logits = torch.zeros(8, 4)
+    probs = torch.full((8, 4), 0.25)
     index = torch.tensor([[0, 1], [2, 3]] * 4)
-    torch.testing.assert_close(load_balancing_loss([logits], [index], 4), torch.tensor(1.0))
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(1.0))
     # Everything on expert 0 with all probability there: loss E.
-    logits = torch.tensor([[30.0, 0, 0, 0]]).expand(8, 4)
+    probs = torch.tensor([[1.0, 0, 0, 0]]).expand(8, 4)
     index = torch.zeros(8, 1, dtype=torch.long)
-    torch.testing.assert_close(load_balancing_loss([logits], [index], 4), torch.tensor(4.0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(4.0))
+    # Slots a router chose not to send (-1) count for nothing.
+    index = torch.tensor([[0, -1]] * 8)
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(2.0))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

@@ -110,3 +110,39 @@ def test_finetune_example_runs_and_saves_a_loadable_model(tmp_path):
     assert (out / "tokenizer.json").is_file() and (out / "model-expert-00000.safetensors").is_file()
     ids = tokenizer("the quick", return_tensors="pt")["input_ids"]
     assert reloaded.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
+
+
+class _GradCapture:
+    """A TrainerCallback that keeps the gradients seen just before the first optimizer step."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class _Callback(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if not outer.grads:
+                    outer.grads.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        self.grads: dict[str, torch.Tensor] = {}
+        self.callback = _Callback()
+
+
+@pytest.mark.parametrize("accumulation", [2, 4])
+def test_aux_loss_weight_does_not_grow_with_gradient_accumulation(tmp_path, accumulation):
+    """Identical micro-batches: with the losses weighted right, accumulating 2 or 4 of them gives the same
+    gradient as 1. (Summing per-micro-batch aux losses would make the router gradient grow with the count.)"""
+    row = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": row.repeat(8, 1).tolist(), "labels": row.repeat(8, 1).tolist()})
+    grads = []
+    for steps in (1, accumulation):
+        capture = _GradCapture()
+        moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_aux_loss_coef=1.0, router_z_loss_coef=0.1)
+        args = _args(tmp_path / str(steps), per_device_train_batch_size=2, gradient_accumulation_steps=steps,
+                     max_steps=1, learning_rate=0.0, max_grad_norm=0.0)
+        Trainer(model=moe, args=args, train_dataset=data, callbacks=[capture.callback]).train()
+        grads.append(capture.grads)
+    assert "model.layers.0.mlp.gate.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)

@@ -23,11 +23,26 @@ OPTIONS: dict[str, Any] = {
     "every": None,  # MoE in layers i with (i + 1) % every == 0, as transformers' decoder_sparse_step
     "noise": 0.0,  # relative std of the noise added to each expert copy
     "seed": 0,  # router init and noise
-    "norm_topk_prob": True,
-    "router_aux_loss_coef": 0.01,
-    "router_init_std": None,
     "dtype": None,  # torch dtype (or its name) to convert in
     "verify": True,  # measure the logit difference to the dense model on a random probe
+    # MoEConfig fields (see its docstring)
+    "router_type": "topk",
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.01,
+    "router_z_loss_coef": 0.0,
+    "router_init_std": None,
+    "capacity_factor": None,
+    "eval_capacity_factor": None,
+    "router_jitter_noise": 0.0,
+    "num_prototypes": None,
+    "router_bias_update_rate": 0.001,
+}
+CONFIG_OPTIONS = [k for k in OPTIONS if k.startswith(("router_", "norm_", "capacity", "eval_capacity", "num_"))]
+# The papers' settings, used unless the caller sets the option.
+ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "switch": {"capacity_factor": 1.25, "eval_capacity_factor": 2.0, "router_jitter_noise": 0.01},
+    "gshard": {"capacity_factor": 2.0, "eval_capacity_factor": 2.0},
+    "aux_free": {"router_aux_loss_coef": 0.0},  # the bias does the balancing
 }
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -49,8 +64,10 @@ def convert_to_moe(
         top_k: experts per token (`num_experts_per_tok`).
         method: "upcycle" (every expert a copy of the dense MLP).
         layers: decoder layers to convert (negative indices count from the end); default all. See `every`.
-        **options: every, noise, seed, norm_topk_prob, router_aux_loss_coef, router_init_std, dtype, verify
-            (see `OPTIONS`).
+        **options: every, noise, seed, dtype, verify, and the MoEConfig fields router_type, norm_topk_prob,
+            router_aux_loss_coef, router_z_loss_coef, router_init_std, capacity_factor, eval_capacity_factor,
+            router_jitter_noise, num_prototypes, router_bias_update_rate (see `OPTIONS`). The switch and gshard
+            routers default to their papers' capacity factors (1.25 and 2.0 in training, 2.0 in eval), aux_free to no balancing loss.
     Returns:
         The MoE model, in the mode (train/eval) the dense model was in.
 
@@ -60,7 +77,7 @@ def convert_to_moe(
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(f"convert_to_moe got unknown option(s) {unknown}; valid options: {sorted(OPTIONS)}.")
-    opts = {**OPTIONS, **options}
+    opts = {**OPTIONS, **ROUTER_DEFAULTS.get(options.get("router_type", "topk"), {}), **options}
     _check_counts(num_experts, top_k)
     if method not in METHODS:
         raise ValueError(f"Unknown conversion method {method!r}; choose one of {METHODS}.")
@@ -84,9 +101,7 @@ def convert_to_moe(
         model.config,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        norm_topk_prob=opts["norm_topk_prob"],
-        router_aux_loss_coef=opts["router_aux_loss_coef"],
-        router_init_std=opts["router_init_std"],
+        **{k: opts[k] for k in CONFIG_OPTIONS},
         moe_layers=moe_layers,
         moe_intermediate_size=first.intermediate_size,
         expert_glu=first.glu,
@@ -100,7 +115,7 @@ def convert_to_moe(
             "method": method,
             "base_model": source,
             "license": _license(model_or_path),
-            "options": {k: _jsonable(opts[k]) for k in ("noise", "seed") if opts[k] != OPTIONS[k]},
+            "options": {k: _jsonable(opts[k]) for k in ("noise", "seed", "router_type") if opts[k] != OPTIONS[k]},
         },
     )
     generator = torch.Generator().manual_seed(opts["seed"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers import SparseMoeBlock
+from ..layers import SparseMoeBlock, build_router
 from .adapters import DenseMLP
 
 
@@ -49,8 +49,10 @@ def upcycle_block(
     if config.expert_bias:
         experts.down_proj_bias = copies(_bias(mlp.down_bias, mlp.down), False)
 
-    router = torch.randn(e, mlp.hidden_size, generator=generator) * config.moe_init_std
-    block.gate.weight = nn.Parameter(router.to(device=device, dtype=dtype))
+    with torch.device(device):
+        block.gate = build_router(config).to(dtype)  # its extra parameters and buffers, on the real device
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(e, mlp.hidden_size, generator=generator) * config.moe_init_std)
     return block
 
 

@@ -1,5 +1,6 @@
 from .block import SparseMoeBlock
 from .experts import Experts
-from .router import TopKRouter
+from .router import ROUTERS, Router, RouterOutput, TopKRouter, build_router, register_router
 
-__all__ = ["Experts", "SparseMoeBlock", "TopKRouter"]
+__all__ = ["ROUTERS", "Experts", "Router", "RouterOutput", "SparseMoeBlock", "TopKRouter", "build_router",
+           "register_router"]

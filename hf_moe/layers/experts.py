@@ -7,7 +7,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 
-from ..ops import experts_forward
+from ..ops import experts_forward, reference
 
 
 class Experts(nn.Module):
@@ -61,6 +61,32 @@ class Experts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         return experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def expert_choice(
+        self, hidden_states: torch.Tensor, expert_index: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert-choice routing: every expert computes the same number C of tokens, so one batched matmul runs
+        them all.
+
+        Args:
+            hidden_states: [N, H]; expert_index: [E, C] token ids; expert_weights: [E, C].
+        Returns:
+            [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
+        """
+        e, c = expert_index.shape
+        x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)  # [E, C, H]
+        w1 = self.gate_up_proj if self.has_gate else self.up_proj
+        b1 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
+        h = torch.bmm(x, w1.transpose(1, 2))  # [E, C, W]
+        if b1 is not None:
+            h = h + b1.unsqueeze(1)
+        a = reference.expert_act(h.reshape(e * c, -1), None, self.activation, self.has_gate).view(e, c, -1)
+        y = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, C, H]
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias.unsqueeze(1)
+        y = y * expert_weights.to(y.dtype).unsqueeze(-1)
+        out = hidden_states.new_zeros(hidden_states.shape)
+        return out.index_add(0, expert_index.reshape(-1), y.reshape(e * c, -1))
 
     def extra_repr(self) -> str:
         kind = "glu" if self.has_gate else "mlp"
