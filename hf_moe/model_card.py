@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from importlib import resources
+from pathlib import Path
 
 _MARKER = "<!-- hf_moe model card:"
+_HERE = Path(__file__).resolve().parent
+# model_cards/ at the top of a source checkout (and of editable installs); inside the package in a wheel.
+TEMPLATES = _HERE.parent / "model_cards" if (_HERE.parent / "model_cards").is_dir() else _HERE / "model_cards"
 
 
-def _template() -> str:
-    return resources.files("hf_moe.model_cards").joinpath("moe_model_card.md").read_text()
+def _template(name: str = "moe_model_card.md") -> str:
+    return (TEMPLATES / name).read_text()
 
 
 def is_generated_card(text: str) -> bool:
