@@ -1,6 +1,11 @@
-"""Fine-tune a converted MoE model with `transformers.Trainer` on a local text or JSON(L) file.
+"""Fine-tune a converted MoE model with `transformers.Trainer` (hf_moe.MoETrainer) on a local text or JSON(L) file.
 
     python examples/finetune_trainer.py --model out/moe --data corpus.txt --output-dir out/moe-ft --max-steps 50
+
+Expert-parallel over the processes of `accelerate launch` / `torchrun` with --expert-parallel (each rank holds a
+block of every layer's experts; see hf_moe.parallel):
+
+    accelerate launch --num_processes 2 examples/finetune_trainer.py --expert-parallel --model out/moe ...
 
 The data file is read with `datasets`: a .txt file (one document per line), or a .json/.jsonl file with a "text"
 field or a "messages" field (chat turns, rendered with the tokenizer's chat template). Texts are tokenised,
@@ -18,7 +23,7 @@ import sys
 
 import torch
 from datasets import load_dataset
-from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
 
 import hf_moe
 
@@ -38,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequential", action="store_true", help="no shuffling (to compare runs batch for batch)")
+    p.add_argument("--expert-parallel", action="store_true", help="shard the experts over the launched processes")
+    p.add_argument("--expert-parallel-size", type=int, help="processes per expert-parallel group (default: all)")
     return p.parse_args(argv)
 
 
@@ -50,6 +58,8 @@ def load_blocks(path: str, tokenizer, block_size: int):
         sys.exit(f"error: --data must be a .txt, .json or .jsonl file, got {path!r}")
     raw = load_dataset(kind, data_files=path, split="train")
     if "messages" in raw.column_names and "text" not in raw.column_names:
+        if tokenizer.chat_template is None:
+            sys.exit(f"error: {path} holds chat `messages`, but the tokenizer has no chat template; use a `text` field")
         raw = raw.map(lambda row: {"text": tokenizer.apply_chat_template(row["messages"], tokenize=False)})
     if "text" not in raw.column_names:
         sys.exit(f"error: {path} has neither a 'text' nor a 'messages' field (columns: {raw.column_names})")
@@ -74,12 +84,6 @@ def main(argv=None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = hf_moe.MoEForCausalLM.from_pretrained(args.model)
-    train = load_blocks(args.data, tokenizer, args.block_size)
-    counts = model.parameter_counts()
-    print(f"{len(train)} blocks of {args.block_size} tokens; model {counts['total'] / 1e6:.1f}M parameters "
-          f"({counts['active'] / 1e6:.1f}M active per token)")
-
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -95,11 +99,22 @@ def main(argv=None) -> dict:
         data_seed=args.seed,
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
+        train_sampling_strategy="sequential" if args.sequential else "random",
         disable_tqdm=True,
     )
+    _ = training_args.device  # sets up torch.distributed under accelerate launch / torchrun
+    model = hf_moe.MoEForCausalLM.from_pretrained(
+        args.model, expert_parallel=args.expert_parallel, expert_parallel_size=args.expert_parallel_size
+    )
+    train = load_blocks(args.data, tokenizer, args.block_size)
+    counts = model.parameter_counts()
+    if training_args.process_index == 0:
+        print(f"{len(train)} blocks of {args.block_size} tokens; model {counts['total'] / 1e6:.1f}M parameters "
+              f"({counts['active'] / 1e6:.1f}M active per token); {training_args.world_size} process(es)"
+              + (", experts sharded across them" if args.expert_parallel else ""))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    trainer = Trainer(
+    trainer = hf_moe.MoETrainer(
         model=model,
         args=training_args,
         train_dataset=train,
@@ -109,11 +124,12 @@ def main(argv=None) -> dict:
     trainer.train(resume_from_checkpoint=args.resume or None)
     trainer.save_model(args.output_dir)
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    print("step  loss")
-    for step, loss in losses:
-        print(f"{step:>4}  {loss:.4f}")
-    with open(os.path.join(args.output_dir, "loss_curve.json"), "w") as f:
-        json.dump(losses, f)
+    if training_args.process_index == 0:
+        print("step  loss")
+        for step, loss in losses:
+            print(f"{step:>4}  {loss:.4f}")
+        with open(os.path.join(args.output_dir, "loss_curve.json"), "w") as f:
+            json.dump(losses, f)
     return {"losses": losses}
 
 

@@ -18,8 +18,11 @@ from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopK
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
 from .ops import experts_interface
+from .parallel import clip as _clip
+from .parallel import expert_parallel
 from .training import trainer_compat
 from .training.monitor import MoEMonitorCallback
+from .training.trainer import MoETrainer
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
@@ -34,6 +37,7 @@ register_checkpoint_conversion_mapping(
     overwrite=True,
 )
 trainer_compat.install()
+_clip.install()  # Accelerator.clip_grad_norm_ uses the global norm when experts are sharded across ranks
 experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "MoEConfig",
     "MoEForCausalLM",
     "MoEMonitorCallback",
+    "MoETrainer",
     "NoMLPFoundError",
     "Router",
     "RouterOutput",
@@ -50,6 +55,7 @@ __all__ = [
     "TopKRouter",
     "__version__",
     "convert_to_moe",
+    "expert_parallel",
     "load_balancing_loss",
     "register_router",
     "router_z_loss",

@@ -18,11 +18,14 @@ conversion (registered in `hf_moe/__init__.py`) that stacks the per-expert tenso
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
 import struct
+import tempfile
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +41,7 @@ from .layers import Experts
 from .model_card import is_generated_card, render_model_card
 
 INDEX_NAME = "model.safetensors.index.json"
+EXPERT_FILE_PREFIX = "model-expert-"
 EXPERT_PARAM_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)$")
 
@@ -62,45 +66,113 @@ def save_checkpoint(
     Atomic: everything is written to a hidden staging directory beside the target, which then takes the
     target's place. An interrupted save leaves the target as it was (or absent), never half-written. Files in an
     existing target that this save does not produce (a tokenizer, say) are kept; old weight files are not.
+
+    With expert parallelism every rank must call it: each writes the files of its own experts (one replica per
+    expert), global rank 0 the rest and the index; the files are the same as a single process would write.
+    Without it, only `is_main_process` writes.
     """
-    if not is_main_process:
+    plan = getattr(model, "expert_parallel_plan", None)
+    if plan is None and not is_main_process:
         return
     target = Path(save_directory).absolute()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot save the model to {target}: it is a file, not a directory.")
-    max_bytes = convert_file_size_to_int(max_shard_size)
-    shards = _plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.hf_moe-tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    shards = _plan_shards(checkpoint_state_dict(model, state_dict), convert_file_size_to_int(max_shard_size))
+    if plan is not None:
+        _save_expert_parallel(model, target, shards, plan)
+        return
+    staging = _new_staging(target)
     try:
-        weight_map = {}
-        for filename, tensors in tqdm(shards.items(), desc="Saving per-expert shards", unit="file", leave=False):
-            save_file({k: t.contiguous() for k, t in tensors.items()}, staging / filename, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(tensors, filename))
-        total_size = sum(t.numel() * t.element_size() for tensors in shards.values() for t in tensors.values())
-        index = {
-            "metadata": {
-                "total_size": total_size,
-                "total_parameters": sum(t.numel() for tensors in shards.values() for t in tensors.values()),
-                "format": "hf_moe",
-                "hf_moe_format": CHECKPOINT_FORMAT_VERSION,
-            },
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        config = model.config
-        config.architectures = [type(model).__name__]
-        config.dtype = str(model.dtype).removeprefix("torch.")
-        config.save_pretrained(staging)
-        if model.can_generate() and model.generation_config is not None:
-            model.generation_config.save_pretrained(staging)
-        (staging / "README.md").write_text(render_model_card(model))
-        _commit(staging, target)
+        _finish(model, staging, target, [_write_shards(shards, staging)])
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _new_staging(target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.hf_moe-tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def _write_shards(shards: dict[str, dict[str, torch.Tensor]], staging: Path) -> dict[str, str]:
+    """Write the shard files; {key: filename} of what was written."""
+    weight_map = {}
+    for filename, tensors in tqdm(shards.items(), desc="Saving per-expert shards", unit="file", leave=False):
+        save_file({k: t.contiguous() for k, t in tensors.items()}, staging / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, filename))
+    return weight_map
+
+
+def _finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]]) -> None:
+    """Index, config, generation config and model card into `staging`, then move it to `target`."""
+    weight_map = {k: v for part in weight_maps for k, v in part.items()}
+    total_size = total_parameters = 0
+    for filename in set(weight_map.values()):
+        for key, meta in read_safetensors_header(staging / filename).items():
+            if key != "__metadata__":
+                total_size += meta["data_offsets"][1] - meta["data_offsets"][0]
+                total_parameters += math.prod(meta["shape"])
+    index = {
+        "metadata": {
+            "total_size": total_size,
+            "total_parameters": total_parameters,
+            "format": "hf_moe",
+            "hf_moe_format": CHECKPOINT_FORMAT_VERSION,
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.save_pretrained(staging)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(staging)
+    (staging / "README.md").write_text(render_model_card(model))
+    _commit(staging, target)
+
+
+def _save_expert_parallel(model, target: Path, shards: dict, plan) -> None:
+    """The collective save: one staging directory chosen by rank 0, every writer's files in it, rank 0 commits
+    only if every rank succeeded. Every rank returns (or raises) after the directory is in place (or discarded)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    main = rank == 0
+    mine = {
+        name: tensors
+        for name, tensors in shards.items()
+        if (plan.edp_rank == 0 if name.startswith(EXPERT_FILE_PREFIX) else main)
+    }
+    staging_name = [str(_new_staging(target)) if main else None]
+    dist.broadcast_object_list(staging_name, src=0)
+    staging = Path(staging_name[0])
+    error, written = None, {}
+    try:
+        written = _write_shards(mine, staging)
+    except BaseException as err:  # the other ranks must still hear about it, or they wait forever
+        error = err
+    results: list = [None] * world
+    dist.all_gather_object(results, (error is None, written))
+    status = [None]
+    if main:
+        try:
+            if not all(ok for ok, _ in results):
+                raise RuntimeError(f"Saving {target} failed on rank(s) {[r for r, (ok, _) in enumerate(results) if not ok]}.")
+            _finish(model, staging, target, [part for _, part in results])
+            status[0] = "ok"
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            status[0] = f"{type(err).__name__}: {err}"
+            if error is None:
+                error = err
+    dist.broadcast_object_list(status, src=0)
+    if error is not None:
+        raise error
+    if status[0] != "ok":
+        raise RuntimeError(f"Saving {target} failed on rank 0: {status[0]}")
 
 
 def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -112,17 +184,17 @@ def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor] | None = No
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state_dict.pop(key, None)
     state_dict = remove_tied_weights_from_state_dict(state_dict, model)
-    fused = {
-        f"{module_name}.{param_name}"
+    offsets = {  # fused key -> global id of its first expert (not 0 with expert parallelism)
+        f"{module_name}.{param_name}": module.expert_offset
         for module_name, module in model.named_modules()
         if isinstance(module, Experts)
         for param_name, _ in module.named_parameters(recurse=False)
     }
     out = {}
     for key, tensor in state_dict.items():
-        if key in fused:
+        if key in offsets:
             prefix, _, name = key.rpartition(".")
-            out.update({f"{prefix}.{e}.{name}": tensor[e] for e in range(tensor.shape[0])})
+            out.update({f"{prefix}.{offsets[key] + e}.{name}": tensor[e] for e in range(tensor.shape[0])})
         else:
             out[key] = tensor
     return out
@@ -147,7 +219,7 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> dict[str, 
         groups = _split_by_size(per_expert[e], max_bytes)
         for i, group in enumerate(groups):
             suffix = "" if len(groups) == 1 else f"-{i + 1:05d}-of-{len(groups):05d}"
-            shards[f"model-expert-{e:05d}{suffix}.safetensors"] = group
+            shards[f"{EXPERT_FILE_PREFIX}{e:05d}{suffix}.safetensors"] = group
     return shards
 
 
@@ -317,6 +389,32 @@ def validate_checkpoint(directory: str | os.PathLike) -> None:
         )
 
 
+@contextlib.contextmanager
+def local_expert_view(directory: str | os.PathLike, start: int, end: int):
+    """A temporary directory that looks like `directory` but lists only the non-expert tensors and experts
+    [start, end): config and small files are copied, weight files linked, and the index filtered. Loading from it
+    reads nothing of the other experts."""
+    directory = Path(directory).absolute()
+    index = json.loads((directory / INDEX_NAME).read_text())
+    keep = {}
+    for key, filename in index["weight_map"].items():
+        match = _EXPERT_KEY.match(key)
+        if match is None or start <= int(match["expert"]) < end:
+            keep[key] = filename
+    with tempfile.TemporaryDirectory(prefix="hf_moe-view-") as tmp:
+        view = Path(tmp)
+        for item in directory.iterdir():
+            if item.name == INDEX_NAME or item.is_dir():
+                continue
+            if item.name.endswith(".safetensors"):
+                if item.name in set(keep.values()):
+                    os.symlink(item, view / item.name)
+            else:
+                shutil.copy2(item, view / item.name)
+        (view / INDEX_NAME).write_text(json.dumps({"metadata": index.get("metadata", {}), "weight_map": keep}))
+        yield str(view)
+
+
 def missing_keys_error(directory, missing_keys) -> CheckpointError:
     """The error for tensors the model needs that the checkpoint does not have."""
     shown = ", ".join(sorted(missing_keys)[:5])
@@ -333,9 +431,10 @@ def missing_keys_error(directory, missing_keys) -> CheckpointError:
 def load_checkpoint(model, directory: str | os.PathLike, strict: bool = True):
     """Load a per-expert checkpoint into `model` in place, one file at a time.
 
-    Returns torch's `_IncompatibleKeys(missing_keys, unexpected_keys)` in on-disk key names; with `strict`,
-    raises instead when either is non-empty. This is what `transformers.Trainer` uses to resume (see
-    `hf_moe.training.trainer_compat`).
+    With expert parallelism each rank reads only the non-expert files and its own experts' files. Returns torch's
+    `_IncompatibleKeys(missing_keys, unexpected_keys)` in on-disk key names (other ranks' experts are neither);
+    with `strict`, raises instead when either is non-empty. This is what `transformers.Trainer` uses to resume
+    (see `hf_moe.training.trainer_compat`).
     """
     from safetensors.torch import load_file
 
@@ -343,14 +442,17 @@ def load_checkpoint(model, directory: str | os.PathLike, strict: bool = True):
     validate_checkpoint(directory)
     weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
     expected = set(checkpoint_state_dict(model))
+    others = set()
+    if getattr(model, "expert_parallel_plan", None) is not None:  # experts held by other ranks
+        others = {k for k in weight_map if _EXPERT_KEY.match(k) and k not in expected}
     missing = sorted(expected - set(weight_map))
-    unexpected = sorted(set(weight_map) - expected)
+    unexpected = sorted(set(weight_map) - expected - others)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{directory} does not match {type(model).__name__}: {len(missing)} missing tensor(s) "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}."
         )
-    for filename in sorted(set(weight_map.values())):
-        result = model.load_state_dict(load_file(directory / filename), strict=False)
-        del result
+    files = sorted({weight_map[k] for k in weight_map if k not in others})
+    for filename in files:
+        model.load_state_dict(load_file(directory / filename), strict=False)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -91,14 +91,29 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         return model
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path,
+        *model_args,
+        expert_parallel: bool = False,
+        expert_parallel_size: int | None = None,
+        process_group=None,
+        **kwargs,
+    ):
         """`PreTrainedModel.from_pretrained`, with the checkpoint checked first: a missing, truncated or corrupt
-        file, a missing tensor, or a checkpoint from a newer hf_moe is an error that names it."""
+        file, a missing tensor, or a checkpoint from a newer hf_moe is an error that names it.
+
+        With `expert_parallel=True` (under torchrun / accelerate launch) each rank builds and reads only its own
+        block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`).
+        """
         from .checkpoint import missing_keys_error, validate_checkpoint
 
         path = os.fspath(pretrained_model_name_or_path)
-        if os.path.isdir(path):
-            validate_checkpoint(os.path.join(path, kwargs.get("subfolder") or ""))
+        local_dir = os.path.join(path, kwargs.get("subfolder") or "")
+        if os.path.isdir(path) and not kwargs.pop("_validated", False):
+            validate_checkpoint(local_dir)
+        if expert_parallel:
+            return cls._from_pretrained_expert_parallel(local_dir, model_args, kwargs, expert_parallel_size, process_group)
         if cls.base_model_class is None:
             config = kwargs.get("config")
             if not isinstance(config, MoEConfig):
@@ -112,6 +127,23 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         if info["missing_keys"]:
             raise missing_keys_error(path, info["missing_keys"])
         return (model, info) if output_loading_info else model
+
+    @classmethod
+    def _from_pretrained_expert_parallel(cls, directory, model_args, kwargs, expert_parallel_size, process_group):
+        """Load this rank's experts only: transformers loads from a view of the directory that lists the
+        non-expert files and this rank's expert files, into a model whose experts hold this rank's block."""
+        from . import parallel
+        from .checkpoint import local_expert_view
+
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"expert_parallel=True loads from a local directory; {directory} is not one.")
+        plan = parallel.build_plan(process_group, expert_parallel_size)
+        config = MoEConfig.from_pretrained(directory)
+        start, end = plan.expert_range(config.num_experts)
+        with local_expert_view(directory, start, end) as view, parallel.local_experts(plan):
+            model = cls.from_pretrained(view, *model_args, _validated=True, **kwargs)
+        model.config.name_or_path = directory
+        return parallel.finish(model, plan)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
@@ -230,8 +262,15 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def parameter_counts(self) -> dict[str, int]:
         """{"total", "active", "expert", "experts_per_token"}: parameters, and those a token uses."""
-        total = sum(p.numel() for p in self.parameters())
-        expert = sum(p.numel() for block in moe_blocks(self) for p in block.experts.parameters())
+        blocks = moe_blocks(self)
+        local = sum(p.numel() for block in blocks for p in block.experts.parameters())
+        # With expert parallelism this process holds num_local_experts of num_experts: count them all.
+        expert = sum(
+            p.numel() * block.experts.num_experts // block.experts.num_local_experts
+            for block in blocks
+            for p in block.experts.parameters()
+        )
+        total = sum(p.numel() for p in self.parameters()) - local + expert
         c = self.config
         active = total - expert + expert * c.num_experts_per_tok // c.num_experts
         return {"total": total, "active": active, "expert": expert, "experts_per_token": c.num_experts_per_tok}

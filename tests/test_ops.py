@@ -308,3 +308,17 @@ def test_torch_compile_traces_the_compiled_ops(compiled):
         (gx,) = torch.autograd.grad(got.sum(), x)
         (wx,) = torch.autograd.grad(want.sum(), x)
     torch.testing.assert_close(gx, wx)
+
+
+@pytest.mark.parametrize("backend", ["torch", "compiled"])
+def test_no_tokens_at_all(backend, compiled):
+    """An expert-parallel rank can receive no rows: forward and backward of an empty batch must work."""
+    experts = _Experts(4, 12, 10, glu=True, bias=True)
+    x = torch.zeros(0, 12, dtype=torch.float64, requires_grad=True)
+    index = torch.zeros(0, 2, dtype=torch.long)
+    weights = torch.zeros(0, 2, dtype=torch.float64, requires_grad=True)
+    with use_backend(backend):
+        out = experts_forward(experts, x, index, weights)
+        assert out.shape == (0, 12)
+        out.sum().backward()
+    assert experts.down_proj.grad.abs().sum() == 0 and x.grad.shape == (0, 12)

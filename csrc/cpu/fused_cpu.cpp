@@ -122,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   auto x = hidden_states.contiguous();
   auto g_out = grad_out.contiguous();
   const int64_t m = sorted_slots.numel(), width = w1.size(1), inter = glu ? width / 2 : width, hid = x.size(1);
-  const int64_t top_k = m / x.size(0);
+  const int64_t top_k = x.size(0) > 0 ? m / x.size(0) : 1;  // no rows (a rank with idle experts): any k works
   const auto offsets = group_offsets_host(tokens_per_expert);
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto empty = at::empty({0}, x.options());

@@ -8,6 +8,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 
 from ..ops import experts_forward, reference
+from ..parallel import plan_under_construction
 
 
 class Experts(nn.Module):
@@ -28,6 +29,12 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.num_experts = e
+        # Expert parallelism (hf_moe.parallel): this module then holds experts
+        # [expert_offset, expert_offset + num_local_experts) and `ep_plan` says where the others are.
+        plan = plan_under_construction()
+        start, end = plan.expert_range(e) if plan is not None else (0, e)
+        self.num_local_experts, self.expert_offset, self.ep_plan = end - start, start, plan
+        e = end - start  # the experts this module allocates
         self.hidden_dim = h
         self.intermediate_dim = i
         self.has_gate = config.expert_glu
@@ -60,6 +67,10 @@ class Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.ep_plan is not None:
+            from ..parallel.dispatch import expert_parallel_forward
+
+            return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)
         return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
     def expert_choice(
@@ -73,6 +84,11 @@ class Experts(nn.Module):
         Returns:
             [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
         """
+        if self.ep_plan is not None:
+            raise NotImplementedError(
+                "Expert-choice routing is not supported with expert parallelism: each expert would need every "
+                "rank's tokens to pick from. Use a token-choice router, or train without expert parallelism."
+            )
         e, c = expert_index.shape
         x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)  # [E, C, H]
         w1 = self.gate_up_proj if self.has_gate else self.up_proj
@@ -90,9 +106,12 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "glu" if self.has_gate else "mlp"
+        local = ""
+        if self.ep_plan is not None:
+            local = f", local experts {self.expert_offset}..{self.expert_offset + self.num_local_experts - 1}"
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
-            f"{kind}, bias={self.has_bias}"
+            f"{kind}, bias={self.has_bias}{local}"
         )
 
 
@@ -102,21 +121,24 @@ def _load_per_expert_keys(module, state_dict, prefix, local_metadata, strict, mi
     A complete set of experts is stacked into the fused key. A partial set (one shard file of a per-expert
     checkpoint, as `transformers.Trainer` loads them one at a time) is copied into its slices in place.
     """
+    offset, local = module.expert_offset, module.num_local_experts
     for name, param in module.named_parameters(recurse=False):
         per_expert = {}
         for e in range(module.num_experts):
             key = f"{prefix}{e}.{name}"
             if key in state_dict:
-                per_expert[e] = state_dict.pop(key)
+                tensor = state_dict.pop(key)
+                if offset <= e < offset + local:  # experts of other ranks (expert parallelism) are not ours
+                    per_expert[e - offset] = tensor
         if not per_expert:
             continue
-        if len(per_expert) == module.num_experts and prefix + name not in state_dict:
-            state_dict[prefix + name] = torch.stack([per_expert[e] for e in range(module.num_experts)])
+        if len(per_expert) == local and prefix + name not in state_dict:
+            state_dict[prefix + name] = torch.stack([per_expert[e] for e in range(local)])
             continue
         for e, tensor in per_expert.items():
             if tensor.shape != param.shape[1:]:
                 error_msgs.append(
-                    f"size mismatch for {prefix}{e}.{name}: copying a param with shape {tuple(tensor.shape)}, "
+                    f"size mismatch for {prefix}{e + offset}.{name}: copying a param with shape {tuple(tensor.shape)}, "
                     f"the expert's slice has shape {tuple(param.shape[1:])}."
                 )
                 continue

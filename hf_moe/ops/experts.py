@@ -80,7 +80,7 @@ class ExpertsFunction(torch.autograd.Function):
             wanted = (need_x, need_weights, need_w1, need_b1, need_w2, need_b2)
             grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2 = (g if w else None for g, w in zip(grads, wanted))
             if grad_weights is not None:
-                grad_weights = grad_weights.to(ctx.weights_dtype)
+                grad_weights = grad_weights.reshape(-1, top_k).to(ctx.weights_dtype)
             return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
 
         g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y

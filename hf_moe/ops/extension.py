@@ -187,7 +187,7 @@ def register_fake_kernels() -> None:
     def _(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2, activation,
           glu, need_x, need_weights, need_params):
         empty = x.new_empty(0)
-        top_k = sorted_slots.shape[0] // x.shape[0]
+        top_k = sorted_slots.shape[0] // x.shape[0] if x.shape[0] else 1
         return (
             x.new_empty(x.shape) if need_x else empty,
             row_weight.new_empty(x.shape[0], top_k) if need_weights else empty,

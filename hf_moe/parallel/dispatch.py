@@ -1,0 +1,105 @@
+"""Expert-parallel dispatch: send each (token, slot) pair to the rank that holds its expert, compute, send back.
+
+Per MoE layer, on each rank of an EP group of P ranks (N local tokens, k slots, H hidden, E experts, E/P per rank):
+
+    1. sort the N*k pairs by expert (so by destination rank: experts are placed in contiguous blocks);
+    2. exchange the per-expert counts (all_to_all of P * E/P integers); the split sizes are read on the host;
+    3. all_to_all the rows (uneven splits); each rank receives, from every source rank, rows grouped by its
+       local experts;
+    4. run the local experts on the received rows (hf_moe.ops, compiled when available);
+    5. all_to_all the results back, and combine each token's k rows with its routing weights.
+
+Backward runs the reverse exchanges through autograd. A rank that receives no rows still takes part in every
+exchange, so nothing hangs. Bytes moved per layer and rank, forward (T local tokens, b bytes per element):
+dispatch + combine = 2 * T * k * H * b * (P - 1) / P with uniform routing; the backward moves the same again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from ..ops import dispatch_ops, kernel_activation, reference, run_experts
+from .groups import ExpertParallelPlan
+
+
+class _AllToAll(Function):
+    """rows [sum(send), H] -> [sum(recv), H]: chunk i of `send` goes to rank i; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = rows.new_empty(sum(recv), rows.shape[1])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send), grad.shape[1])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class _ExpertGrad(Function):
+    """Identity on a local expert weight; its gradient is scaled by 1 / world size and summed over the replicas of
+    the same experts (expert data parallelism), so expert gradients average over ranks exactly as DDP's do."""
+
+    @staticmethod
+    def forward(ctx, weight, plan: ExpertParallelPlan):
+        ctx.plan = plan
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad * ctx.plan.grad_scale
+        if ctx.plan.edp_group is not None:
+            dist.all_reduce(grad, group=ctx.plan.edp_group)
+        return grad, None
+
+
+def _exchange_counts(send_counts: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
+    """[P, E/P] rows this rank sends to each rank's experts -> [P, E/P] rows each rank sends to this rank's."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv.view(-1), send_counts.contiguous().view(-1), group=plan.ep_group)
+    return recv
+
+
+def expert_parallel_forward(
+    experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """[N, H] -> [N, H] through each token's k experts, wherever they are (see the module docstring).
+
+    `experts` holds experts [expert_offset, expert_offset + num_local_experts) of `num_experts`, and `ep_plan`.
+    """
+    plan: ExpertParallelPlan = experts.ep_plan
+    n, k = top_k_index.shape
+    local = experts.num_local_experts
+    sorted_slots, slot_to_row, counts = reference.sort_by_expert(top_k_index, experts.num_experts)
+    send_counts = counts.view(plan.ep_size, local)
+    recv_counts = _exchange_counts(send_counts, plan)
+    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # host reads: all_to_all needs them
+    sent = sum(send)
+
+    rows = hidden_states.index_select(0, torch.div(sorted_slots[:sent], k, rounding_mode="floor"))
+    received = _AllToAll.apply(rows, send, recv, plan.ep_group)  # [R, H]: by source rank, then local expert
+    local_ids = torch.repeat_interleave(
+        torch.arange(local, device=received.device).repeat(plan.ep_size), recv_counts.reshape(-1),
+        output_size=received.shape[0],
+    )
+    activation = kernel_activation(experts.activation)
+    w1 = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    b1 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
+    params = [None if p is None else _ExpertGrad.apply(p, plan) for p in (w1, b1, experts.down_proj, experts.down_proj_bias)]
+    ones = received.new_ones(received.shape[0], 1)
+    computed = run_experts(
+        dispatch_ops(received.device, activation), received, local_ids.unsqueeze(1), ones, *params, activation,
+        experts.has_gate,
+    )
+    returned = _AllToAll.apply(computed, recv, send, plan.ep_group)  # [sent, H], in our sorted order
+
+    dropped = top_k_index.numel() - sent
+    rows_by_slot = torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])]).index_select(0, slot_to_row)
+    weights = top_k_weights.to(torch.float32).unsqueeze(1)  # [N, 1, k]
+    out = torch.bmm(weights, rows_by_slot.view(n, k, -1).to(torch.float32)).squeeze(1)
+    return out.to(hidden_states.dtype)
