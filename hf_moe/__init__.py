@@ -14,15 +14,13 @@ from .checkpoint import EXPERT_PARAM_NAMES, CheckpointError
 from .configuration import MoEConfig
 from .convert.adapters import NoMLPFoundError
 from .convert.api import convert_to_moe
+from .convert.stream import StreamingUnsupported, convert_checkpoint
 from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
 from .ops import experts_interface
-from .parallel import clip as _clip
+from ._import_hooks import when_imported
 from .parallel import expert_parallel
-from .training import trainer_compat
-from .training.monitor import MoEMonitorCallback
-from .training.trainer import MoETrainer
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
@@ -36,9 +34,24 @@ register_checkpoint_conversion_mapping(
     ],
     overwrite=True,
 )
-trainer_compat.install()
-_clip.install()  # Accelerator.clip_grad_norm_ uses the global norm when experts are sharded across ranks
+# Patches of training libraries, applied when those are imported (they take seconds to import): the plain Trainer
+# resumes hf_moe checkpoints and refuses expert-parallel models; Accelerator.clip_grad_norm_ uses the global norm
+# when experts are sharded across ranks.
+when_imported("transformers.trainer", lambda _: __import__("hf_moe.training.trainer_compat").training.trainer_compat.install())
+when_imported("accelerate.accelerator", lambda _: __import__("hf_moe.parallel.clip").parallel.clip.install())
 experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
+
+_LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
+
+
+def __getattr__(name: str):
+    # The training classes import transformers.Trainer: loaded on first use, not with `import hf_moe`.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_moe' has no attribute {name!r}")
+
 
 __all__ = [
     "ROUTERS",
@@ -52,8 +65,10 @@ __all__ = [
     "Router",
     "RouterOutput",
     "SparseMoeBlock",
+    "StreamingUnsupported",
     "TopKRouter",
     "__version__",
+    "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",
     "load_balancing_loss",

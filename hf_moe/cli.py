@@ -24,16 +24,29 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="output directory")
     convert.add_argument("--num-experts", type=int, required=True)
     convert.add_argument("--top-k", type=int, required=True)
-    convert.add_argument("--method", default="upcycle", choices=["upcycle"])
+    convert.add_argument("--method", default="upcycle", choices=["upcycle", "split"],
+                         help="upcycle: every expert a copy of the MLP; split: the MLP's neurons cut into experts")
     which = convert.add_mutually_exclusive_group()
     which.add_argument("--layers", type=_layers, help="decoder layers to convert, e.g. 0,2,4 (default: all)")
     which.add_argument("--every", type=int, help="convert layers i with (i + 1) %% N == 0")
     convert.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
-    convert.add_argument("--noise", type=float, default=0.0, help="relative std of noise on each expert copy")
     convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--num-shared-experts", type=int, help="always-active shared experts (default 0)")
     convert.add_argument("--router", default="topk", help="router type: topk, noisy_topk, switch, gshard, "
                          "prototype, expert_choice, aux_free (or a registered one)")
+    convert.add_argument("--router-weights", choices=["softmax", "unit"],
+                         help="how chosen experts are weighted (default: softmax for upcycle, unit for split)")
     convert.add_argument("--capacity-factor", type=float, help="expert capacity factor (default: dropless)")
+    up = convert.add_argument_group("upcycle")
+    up.add_argument("--noise", type=float, help="relative std of noise on each expert copy")
+    up.add_argument("--reinit-fraction", type=float, help="Drop-Upcycling: fraction of each expert's neurons redrawn")
+    split = convert.add_argument_group("split")
+    split.add_argument("--partition", choices=["random", "kmeans", "coactivation"], help="default: kmeans")
+    split.add_argument("--calibration-data", help="coactivation: a local .txt/.json/.jsonl file with a text field")
+    split.add_argument("--calibration-tokens", type=int)
+    convert.add_argument("--in-memory", action="store_true", help="load the whole model and check the converted "
+                         "logits against the dense model's (default: stream a local safetensors checkpoint tensor "
+                         "by tensor and check every MoE block against its MLP)")
     convert.add_argument("--max-shard-size", default="5GB")
 
     inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
@@ -45,25 +58,39 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OPTION_FLAGS = (
+    "capacity_factor", "every", "dtype", "num_shared_experts", "router_weights", "noise", "reinit_fraction",
+    "partition", "calibration_data", "calibration_tokens",
+)
+
+
 def _convert(args) -> None:
     from .convert.api import convert_to_moe
+    from .convert.stream import StreamingUnsupported, convert_checkpoint
 
     start = time.perf_counter()
-    options = {"noise": args.noise, "seed": args.seed, "router_type": args.router}
-    if args.capacity_factor is not None:
-        options["capacity_factor"] = args.capacity_factor
-    if args.every is not None:
-        options["every"] = args.every
-    if args.dtype:
-        options["dtype"] = args.dtype
-    model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
-    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    options = {"seed": args.seed, "router_type": args.router}
+    options.update({k: getattr(args, k) for k in _OPTION_FLAGS if getattr(args, k) is not None})
+    model = None
+    if not args.in_memory and os.path.isdir(args.src):
+        try:
+            model = convert_checkpoint(
+                args.src, args.out, args.num_experts, args.top_k, method=args.method, layers=args.layers,
+                max_shard_size=args.max_shard_size, **options,
+            )
+            print(f"Streamed {args.src} tensor by tensor (the model was never loaded whole).")
+        except StreamingUnsupported as why:
+            print(f"Converting in memory: streaming is not possible here ({why}).", file=sys.stderr)
+    if model is None:
+        model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
+        model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     _copy_tokenizer(args.src, args.out)
     counts = model.parameter_counts()
     conv = model.config.moe_conversion
     print(
-        f"Converted {args.src} -> {args.out} in {time.perf_counter() - start:.1f}s: "
-        f"{len(model.config.moe_layers)} MoE layers x {args.num_experts} experts (top-{args.top_k}), "
+        f"Converted {args.src} -> {args.out} in {time.perf_counter() - start:.1f}s ({args.method}): "
+        f"{len(model.config.moe_layers)} MoE layers x {args.num_experts} experts (top-{args.top_k})"
+        f"{f', {model.config.num_shared_experts} shared' if model.config.num_shared_experts else ''}, "
         f"{counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active per token."
     )
     if "max_abs_logit_diff" in conv:
@@ -71,6 +98,8 @@ def _convert(args) -> None:
             f"Max |logit difference| to the dense model on a random probe: {conv['max_abs_logit_diff']:.2e} "
             f"(greedy tokens {'equal' if conv['same_argmax'] else 'differ'})."
         )
+    if "max_abs_block_diff" in conv:
+        print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {conv['max_abs_block_diff']:.2e}.")
 
 
 def _copy_tokenizer(src: str, out: str) -> None:

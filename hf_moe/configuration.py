@@ -50,6 +50,15 @@ class MoEConfig(PreTrainedConfig):
         router_z_loss_coef (`float`): weight of the router z-loss (ST-MoE) added in training.
         num_prototypes (`int`): prototypes of the prototype router (default: top-k).
         router_bias_update_rate (`float`): step of the aux_free router's bias update.
+        router_weights (`str`): "softmax" (the router's probabilities, the default) or "unit": every chosen expert
+            counts fully, as in MoEfication (the router still learns through the straight-through gradient of
+            log w).
+        num_shared_experts (`int`): always-active experts (Qwen-MoE / DeepSeek style), stored as one dense MLP
+            `shared_experts` of intermediate size num_shared_experts * shared_expert_intermediate_size.
+        shared_expert_intermediate_size (`int`): intermediate size of one shared expert (default:
+            moe_intermediate_size).
+        moe_output_bias (`bool`): the block adds a bias `bias` [H] to its output (neuron-split conversions of MLPs
+            with an output bias and no shared expert, where the bias must be added once whatever the routing).
         router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
             uses the base model's `initializer_range` (or `init_std`).
         decoder_layers_path (`str`): attribute path from the model to its list of decoder layers.
@@ -82,6 +91,10 @@ class MoEConfig(PreTrainedConfig):
     router_z_loss_coef: float = 0.0
     num_prototypes: int | None = None
     router_bias_update_rate: float = 0.001
+    router_weights: str = "softmax"
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int | None = None
+    moe_output_bias: bool = False
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
     moe_block_path: str = "mlp"
@@ -117,6 +130,8 @@ class MoEConfig(PreTrainedConfig):
         self.moe_layers = sorted({int(i) for i in self.moe_layers})
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = getattr(self, "intermediate_size", None)
+        if self.shared_expert_intermediate_size is None and self.num_shared_experts:
+            self.shared_expert_intermediate_size = self.moe_intermediate_size
         self._validate_moe()
 
     def _validate_moe(self):
@@ -135,6 +150,10 @@ class MoEConfig(PreTrainedConfig):
             raise ValueError("moe_layers is empty: choose at least one decoder layer to make an MoE layer.")
         if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size}.")
+        if self.router_weights not in ("softmax", "unit"):
+            raise ValueError(f"router_weights must be 'softmax' or 'unit', got {self.router_weights!r}.")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be 0 or more, got {self.num_shared_experts}.")
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:

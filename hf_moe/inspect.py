@@ -80,6 +80,20 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _weighting(config: dict) -> str:
+    """How the chosen experts' outputs are combined."""
+    if config.get("router_weights") == "unit":
+        return "unit weights"
+    return "renormalised weights" if config["norm_topk_prob"] else "softmax weights"
+
+
+def _shared(config: dict) -> str:
+    shared = config.get("num_shared_experts") or 0
+    if not shared:
+        return ""
+    return f", + {shared} shared (intermediate {config['shared_expert_intermediate_size']} each)"
+
+
 def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
     c = summary.config
     num_layers = c.get("num_hidden_layers") or c.get("n_layer")
@@ -88,8 +102,8 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
         f"hf_moe checkpoint: {directory}",
         f"  base model       {conv.get('base_model', '?')} ({c['base_model_type']}, {c.get('architectures', ['?'])[0]})",
         f"  MoE layers       {len(c['moe_layers'])} of {num_layers}: {_ranges(c['moe_layers'])}",
-        f"  experts          {c['num_experts']} per MoE layer, top-{c['num_experts_per_tok']}"
-        f"{' (renormalised)' if c['norm_topk_prob'] else ''}",
+        f"  experts          {c['num_experts']} per MoE layer, top-{c['num_experts_per_tok']} ({_weighting(c)})"
+        f"{_shared(c)}",
         f"  expert MLP       {'GLU' if c['expert_glu'] else 'plain'}, {c['expert_hidden_act']}, "
         f"intermediate {c['moe_intermediate_size']}{', biases' if c['expert_bias'] else ''}",
         f"  parameters       {_count(summary.total_params)} total, {_count(summary.active_params)} active per token "
@@ -105,9 +119,14 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
             else "non-expert tensors (embeddings, attention, norms, routers, head)"
         )
         lines.append(f"    {shard.filename:<44} {shard.num_tensors:>7} {_size(shard.num_bytes):>10}  {holds}")
-    diff = conv.get("max_abs_logit_diff")
-    if diff is not None:
-        lines.append(f"  conversion       {conv.get('method')}: max |logit - dense logit| = {diff:.2e} on a random probe")
+    options = ", ".join(f"{k}={v}" for k, v in sorted((conv.get("options") or {}).items()))
+    method = f"{conv.get('method')}{f' ({options})' if options else ''}"
+    if "max_abs_logit_diff" in conv:
+        lines.append(f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a random probe")
+    elif "max_abs_block_diff" in conv:
+        lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {conv['max_abs_block_diff']:.2e} per layer")
+    elif conv:
+        lines.append(f"  conversion       {method}")
     return "\n".join(lines)
 
 

@@ -22,6 +22,19 @@ def _millions(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _weighting(config) -> str:
+    if config.router_weights == "unit":
+        weights = "unit weights (every chosen expert counts fully)"
+    else:
+        weights = "renormalised top-k weights" if config.norm_topk_prob else "raw softmax weights"
+    if config.num_shared_experts:
+        weights += (
+            f"; plus {config.num_shared_experts} always-active shared expert(s) of intermediate size "
+            f"{config.shared_expert_intermediate_size}"
+        )
+    return weights
+
+
 def render_model_card(model) -> str:
     """Fill the template from the model's config and parameter counts."""
     from . import __version__
@@ -38,6 +51,11 @@ def render_model_card(model) -> str:
             f"logits differ from the base model's by at most {diff:.2e} on a random probe at conversion "
             f"({conv.get('probe', 'probe')}); greedy tokens {'equal' if conv.get('same_argmax') else 'DIFFER'}"
         )
+    elif "max_abs_block_diff" in conv:
+        exactness = (
+            f"every MoE block's output differs from the dense MLP's by at most {conv['max_abs_block_diff']:.2e} "
+            f"({conv.get('probe', 'probe')}; streaming conversion)"
+        )
     else:
         exactness = "not measured"
     return _template().format(
@@ -52,7 +70,7 @@ def render_model_card(model) -> str:
         moe_layers=", ".join(map(str, c.moe_layers)),
         num_experts=c.num_experts,
         top_k=c.num_experts_per_tok,
-        normalisation="renormalised top-k weights" if c.norm_topk_prob else "raw softmax weights",
+        normalisation=_weighting(c),
         expert_kind="gated (GLU)" if c.expert_glu else "plain MLP",
         expert_act=c.expert_hidden_act,
         intermediate_size=c.moe_intermediate_size,

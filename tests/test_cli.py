@@ -26,7 +26,8 @@ def test_convert_then_inspect(dense_dir, tmp_path, capsys):
     assert main(["convert", str(dense_dir), str(out), "--num-experts", "4", "--top-k", "2", "--layers", "0,2",
                  "--noise", "0.0"]) == 0
     printed = capsys.readouterr().out
-    assert "2 MoE layers x 4 experts (top-2)" in printed and "greedy tokens equal" in printed
+    assert printed.startswith("Streamed") and "2 MoE layers x 4 experts (top-2)" in printed
+    assert "Max |MoE block - dense MLP|" in printed
     moe = MoEForCausalLM.from_pretrained(out)
     assert moe.dtype == torch.float32 and moe.config.moe_layers == [0, 2]
     assert (out / "tokenizer.json").is_file()  # OUT is self-contained
@@ -34,7 +35,7 @@ def test_convert_then_inspect(dense_dir, tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     summary = capsys.readouterr().out
     assert "MoE layers       2 of 3: 0, 2" in summary
-    assert "4 per MoE layer, top-2 (renormalised)" in summary
+    assert "4 per MoE layer, top-2 (renormalised weights)" in summary
     assert "active per token" in summary and "model-expert-00003.safetensors" in summary
 
 
@@ -87,3 +88,34 @@ def test_router_options(dense_dir, tmp_path):
                  "--router", "switch", "--capacity-factor", "1.5"]) == 0
     config = MoEForCausalLM.from_pretrained(tmp_path / "m").config
     assert (config.router_type, config.capacity_factor, config.num_experts_per_tok) == ("switch", 1.5, 1)
+
+
+def test_in_memory_conversion_checks_logits(dense_dir, tmp_path, capsys):
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "4", "--top-k", "2",
+                 "--in-memory"]) == 0
+    printed = capsys.readouterr().out
+    assert not printed.startswith("Streamed") and "greedy tokens equal" in printed
+
+
+def test_split_with_shared_experts_and_coactivation(dense_dir, tmp_path, capsys):
+    from conftest import CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(CORPUS * 4)
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "3", "--top-k", "3",
+                 "--method", "split", "--partition", "coactivation", "--calibration-data", str(data),
+                 "--num-shared-experts", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "Converting in memory" in captured.err and "coactivation" in captured.err
+    assert "greedy tokens equal" in captured.out and "1 shared" in captured.out
+    config = MoEForCausalLM.from_pretrained(tmp_path / "m").config
+    assert (config.num_shared_experts, config.router_weights, config.moe_intermediate_size) == (1, "unit", 24)
+    assert config.moe_conversion["options"]["partition"] == "coactivation"
+    assert main(["inspect", str(tmp_path / "m")]) == 0
+    assert "top-3 (unit weights), + 1 shared (intermediate 24 each)" in capsys.readouterr().out
+
+
+def test_options_of_the_other_method_are_refused(dense_dir, tmp_path, capsys):
+    assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "4", "--top-k", "2",
+                 "--method", "split", "--noise", "0.1"]) == 2
+    assert "only apply to method='upcycle'" in capsys.readouterr().err

@@ -13,18 +13,25 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from ..configuration import MoEConfig
+from ..layers import SparseMoeBlock
 from ..modeling import MoEForCausalLM
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
+from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block
 
-METHODS = ("upcycle",)
+METHODS = ("upcycle", "split")
 # Options of convert_to_moe beyond its named arguments, with their defaults.
 OPTIONS: dict[str, Any] = {
     "every": None,  # MoE in layers i with (i + 1) % every == 0, as transformers' decoder_sparse_step
-    "noise": 0.0,  # relative std of the noise added to each expert copy
+    "noise": 0.0,  # upcycle: relative std of the noise added to each expert copy
+    "reinit_fraction": 0.0,  # upcycle: Drop-Upcycling, fraction of each expert's neurons re-initialised
     "seed": 0,  # router init and noise
     "dtype": None,  # torch dtype (or its name) to convert in
     "verify": True,  # measure the logit difference to the dense model on a random probe
+    "partition": "kmeans",  # split: random | kmeans | coactivation
+    "calibration_data": None,  # split + coactivation: local .txt/.json/.jsonl read with `datasets`
+    "calibration_tokens": 2048,
+    "tokenizer": None,  # for calibration_data when the model is passed as an object
     # MoEConfig fields (see its docstring)
     "router_type": "topk",
     "norm_topk_prob": True,
@@ -36,13 +43,30 @@ OPTIONS: dict[str, Any] = {
     "router_jitter_noise": 0.0,
     "num_prototypes": None,
     "router_bias_update_rate": 0.001,
+    "router_weights": "softmax",
+    "num_shared_experts": 0,
 }
-CONFIG_OPTIONS = [k for k in OPTIONS if k.startswith(("router_", "norm_", "capacity", "eval_capacity", "num_"))]
+CONFIG_OPTIONS = [
+    k for k in OPTIONS
+    if k.startswith(("router_", "norm_", "capacity", "eval_capacity", "num_prototypes", "num_shared"))
+]
 # The papers' settings, used unless the caller sets the option.
 ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "switch": {"capacity_factor": 1.25, "eval_capacity_factor": 2.0, "router_jitter_noise": 0.01},
     "gshard": {"capacity_factor": 2.0, "eval_capacity_factor": 2.0},
     "aux_free": {"router_aux_loss_coef": 0.0},  # the bias does the balancing
+}
+# Each method's defaults, used unless the caller sets the option: a split expert is a part of the MLP, so the
+# chosen parts add up with unit weights (MoEfication) rather than being averaged.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {"split": {"router_weights": "unit"}}
+# Options recorded in `config.moe_conversion["options"]` (and the model card) when they differ from the default.
+RECORDED_OPTIONS = (
+    "noise", "reinit_fraction", "seed", "router_type", "partition", "calibration_data", "calibration_tokens",
+    "num_shared_experts", "router_weights",
+)
+METHOD_OPTIONS = {
+    "upcycle": ("noise", "reinit_fraction"),
+    "split": ("partition", "calibration_data", "calibration_tokens", "tokenizer"),
 }
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -62,66 +86,53 @@ def convert_to_moe(
             local directory / Hub id to load it from.
         num_experts: experts per MoE layer.
         top_k: experts per token (`num_experts_per_tok`).
-        method: "upcycle" (every expert a copy of the dense MLP).
+        method: "upcycle" (every expert a copy of the dense MLP, see `upcycle.py`) or "split" (the MLP's neurons
+            partitioned into experts, see `split.py`).
         layers: decoder layers to convert (negative indices count from the end); default all. See `every`.
-        **options: every, noise, seed, dtype, verify, and the MoEConfig fields router_type, norm_topk_prob,
-            router_aux_loss_coef, router_z_loss_coef, router_init_std, capacity_factor, eval_capacity_factor,
-            router_jitter_noise, num_prototypes, router_bias_update_rate (see `OPTIONS`). The switch and gshard
-            routers default to their papers' capacity factors (1.25 and 2.0 in training, 2.0 in eval), aux_free to no balancing loss.
+        **options (see `OPTIONS`):
+            every, seed, dtype, verify;
+            upcycle: noise, reinit_fraction (Drop-Upcycling);
+            split: partition ("random", "kmeans", "coactivation"), calibration_data (a local .txt/.json/.jsonl
+                file for "coactivation"), calibration_tokens, tokenizer (when the model is passed as an object);
+            MoEConfig fields: router_type, norm_topk_prob, router_aux_loss_coef, router_z_loss_coef,
+                router_init_std, capacity_factor, eval_capacity_factor, router_jitter_noise, num_prototypes,
+                router_bias_update_rate, router_weights, num_shared_experts.
+            The switch and gshard routers default to their papers' capacity factors (1.25 and 2.0 in training, 2.0
+            in eval), aux_free to no balancing loss; split defaults to router_weights="unit".
     Returns:
         The MoE model, in the mode (train/eval) the dense model was in.
 
-    With the defaults (renormalised top-k weights, no noise) the result reproduces the dense model's logits up
-    to fp32 rounding; the measured difference on a random probe is stored in `config.moe_conversion`.
+    Exactness: upcycling with the defaults (renormalised top-k weights, no noise) and splitting with every expert
+    chosen (top_k == num_experts, unit weights) reproduce the dense model's logits up to fp32 rounding. The
+    difference measured on a random probe is stored in `config.moe_conversion`.
     """
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"convert_to_moe got unknown option(s) {unknown}; valid options: {sorted(OPTIONS)}.")
-    opts = {**OPTIONS, **ROUTER_DEFAULTS.get(options.get("router_type", "topk"), {}), **options}
-    _check_counts(num_experts, top_k)
-    if method not in METHODS:
-        raise ValueError(f"Unknown conversion method {method!r}; choose one of {METHODS}.")
-    if layers is not None and opts["every"] is not None:
-        raise ValueError("Pass either `layers` or `every`, not both.")
-    dtype = _dtype(opts["dtype"])
-
-    model, source = _load_dense(model_or_path, dtype)
+    opts = resolve_options(num_experts, top_k, method, layers, options)
+    model, source = _load_dense(model_or_path, _dtype(opts["dtype"]))
     was_training = model.training
     layers_path, decoder_layers = find_decoder_layers(model)
     moe_layers = _select_layers(layers, opts["every"], len(decoder_layers))
     spec = find_mlp(decoder_layers[moe_layers[0]])
     mlps = {i: extract_mlp(decoder_layers[i], find_mlp(decoder_layers[i]), model.config) for i in moe_layers}
     _check_uniform(mlps)
-    first = mlps[moe_layers[0]]
+    activations = None
+    if method == "split" and opts["partition"] == "coactivation":
+        tokenizer = _tokenizer(opts["tokenizer"], model_or_path)
+        ids = calibration_text(opts["calibration_data"], tokenizer, opts["calibration_tokens"])
+        blocks_at = {i: decoder_layers[i].get_submodule(spec.block_path) for i in moe_layers}
+        activations = calibration_activations(model, blocks_at, mlps, ids)
 
     probe = _probe_input(model) if opts["verify"] else None
     dense_logits = _logits(model, probe) if probe is not None else None
 
-    config = MoEConfig.from_base(
-        model.config,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        **{k: opts[k] for k in CONFIG_OPTIONS},
-        moe_layers=moe_layers,
-        moe_intermediate_size=first.intermediate_size,
-        expert_glu=first.glu,
-        expert_bias=first.has_bias,
-        expert_hidden_act=first.act,
-        moe_output_dropout=first.dropout,
-        decoder_layers_path=layers_path,
-        moe_block_path=spec.block_path,
-        moe_bypassed_paths=list(spec.bypassed_paths),
-        moe_conversion={
-            "method": method,
-            "base_model": source,
-            "license": _license(model_or_path),
-            "options": {k: _jsonable(opts[k]) for k in ("noise", "seed", "router_type") if opts[k] != OPTIONS[k]},
-        },
+    config = moe_config(
+        model.config, num_experts, top_k, method, opts, moe_layers, mlps[moe_layers[0]], layers_path, spec,
+        source=source, license=_license(model_or_path),
     )
     generator = torch.Generator().manual_seed(opts["seed"])
     blocks = {}
-    for i in tqdm(moe_layers, desc=f"Upcycling {len(moe_layers)} MLPs to {num_experts} experts", leave=False):
-        blocks[i] = upcycle_block(mlps.pop(i), config, noise=opts["noise"], generator=generator)
+    for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False):
+        layer_acts = activations.pop(i) if activations is not None else None
+        blocks[i] = convert_block(method, mlps.pop(i), config, opts, layer_acts, generator)
     moe = MoEForCausalLM.from_dense(model, config, blocks)
 
     if dense_logits is not None:
@@ -135,11 +146,170 @@ def convert_to_moe(
     return moe
 
 
+def resolve_options(num_experts, top_k, method: str, layers, options: dict) -> dict[str, Any]:
+    """Every option's value (the caller's, else the router's and the method's defaults, else `OPTIONS`), after
+    checking them all."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"convert_to_moe got unknown option(s) {unknown}; valid options: {sorted(OPTIONS)}.")
+    if method not in METHODS:
+        raise ValueError(f"Unknown conversion method {method!r}; choose one of {METHODS}.")
+    opts = {
+        **OPTIONS,
+        **METHOD_DEFAULTS.get(method, {}),
+        **ROUTER_DEFAULTS.get(options.get("router_type", "topk"), {}),
+        **options,
+    }
+    _check_counts(num_experts, top_k)
+    _check_method_options(method, options, opts)
+    if layers is not None and opts["every"] is not None:
+        raise ValueError("Pass either `layers` or `every`, not both.")
+    _dtype(opts["dtype"])
+    return opts
+
+
+def moe_config(
+    base_config: PreTrainedConfig,
+    num_experts: int,
+    top_k: int,
+    method: str,
+    opts: dict[str, Any],
+    moe_layers: list[int],
+    first: DenseMLP,
+    layers_path: str,
+    spec,
+    *,
+    source: str,
+    license: str | None,
+) -> MoEConfig:
+    """The MoE model's config: the base config plus the MoE fields, the expert shape read from `first` (the
+    first converted MLP) and a record of the conversion."""
+    return MoEConfig.from_base(
+        base_config,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        **{k: opts[k] for k in CONFIG_OPTIONS},
+        moe_layers=moe_layers,
+        **_expert_sizes(method, first, num_experts, opts["num_shared_experts"]),
+        expert_glu=first.glu,
+        expert_bias=first.has_bias,
+        expert_hidden_act=first.act,
+        moe_output_dropout=first.dropout,
+        decoder_layers_path=layers_path,
+        moe_block_path=spec.block_path,
+        moe_bypassed_paths=list(spec.bypassed_paths),
+        moe_conversion={
+            "method": method,
+            "base_model": source,
+            "license": license,
+            "options": {k: _jsonable(opts[k]) for k in RECORDED_OPTIONS if opts[k] != OPTIONS[k]},
+        },
+    )
+
+
+def convert_block(
+    method: str,
+    mlp: DenseMLP,
+    config: MoEConfig,
+    opts: dict[str, Any],
+    activations: torch.Tensor | None,
+    generator: torch.Generator,
+    materialize: bool = True,
+) -> SparseMoeBlock:
+    """One dense MLP -> its MoE block, by `method`. Layers must be converted in order with one `generator` for
+    a conversion to be reproducible (streamed or not). `materialize=False`: see `assemble_block`."""
+    if method == "split":
+        return split_block(mlp, config, opts["partition"], activations, generator=generator)
+    return upcycle_block(
+        mlp, config, noise=opts["noise"], reinit_fraction=opts["reinit_fraction"], generator=generator,
+        materialize=materialize,
+    )
+
+
+def progress_text(method: str, num_layers: int, num_experts: int) -> str:
+    verb = {"upcycle": "Upcycling", "split": "Splitting"}[method]
+    return f"{verb} {num_layers} MLPs into {num_experts} experts"
+
+
 def _check_counts(num_experts, top_k) -> None:
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}.")
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int between 1 and num_experts={num_experts}, got {top_k!r}.")
+
+
+def _check_method_options(method: str, given: dict, opts: dict) -> None:
+    """Options of the other method are an error, not silently ignored."""
+    for other, names in METHOD_OPTIONS.items():
+        misplaced = [n for n in names if other != method and n in given and given[n] != OPTIONS[n]]
+        if misplaced:
+            raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
+    if not 0.0 <= opts["reinit_fraction"] <= 1.0:
+        raise ValueError(f"reinit_fraction must be between 0 and 1, got {opts['reinit_fraction']!r}.")
+    if opts["noise"] < 0:
+        raise ValueError(f"noise must be >= 0, got {opts['noise']!r}.")
+    if not isinstance(opts["num_shared_experts"], int) or opts["num_shared_experts"] < 0:
+        raise ValueError(f"num_shared_experts must be an int >= 0, got {opts['num_shared_experts']!r}.")
+    if method == "split":
+        if opts["partition"] not in PARTITIONS:
+            raise ValueError(f"Unknown partition {opts['partition']!r}; choose one of {PARTITIONS}.")
+        if opts["partition"] == "coactivation" and opts["calibration_data"] is None:
+            raise ValueError(
+                "partition='coactivation' clusters neurons by how they fire on text: pass calibration_data=PATH "
+                "(a local .txt, .json or .jsonl file with a `text` field)."
+            )
+        if opts["calibration_data"] is not None and opts["partition"] != "coactivation":
+            raise ValueError("calibration_data is only used by partition='coactivation'.")
+        if opts["calibration_data"] is not None and not os.path.isfile(opts["calibration_data"]):
+            raise FileNotFoundError(f"calibration_data {opts['calibration_data']!r} is not a file.")
+
+
+def _expert_sizes(method: str, mlp: DenseMLP, num_experts: int, num_shared: int) -> dict[str, Any]:
+    """moe_intermediate_size, shared_expert_intermediate_size and moe_output_bias for the method.
+
+    upcycle: the I neurons are cut into S + 1 slices: S shared experts, and routed experts copying the rest.
+    split: the I neurons are cut into E + S equal experts; the MLP's output bias, added once per token, goes to
+    the shared experts, or to the block (`moe_output_bias`) when there are none.
+    """
+    size = mlp.intermediate_size
+    if method == "upcycle":
+        slice_size = size // (num_shared + 1)
+        if num_shared and slice_size < 1:
+            raise ValueError(f"num_shared_experts={num_shared} leaves no neurons of the {size} for the routed experts.")
+        return {
+            "moe_intermediate_size": size - num_shared * slice_size,
+            "shared_expert_intermediate_size": slice_size if num_shared else None,
+        }
+    groups = num_experts + num_shared
+    if size % groups:
+        divisors = [g for g in range(2, min(size, 256) + 1) if size % g == 0]
+        raise ValueError(
+            f"method='split' cuts the MLP's {size} intermediate neurons into num_experts + num_shared_experts = "
+            f"{groups} equal experts, and {groups} does not divide {size}. Totals that do: {divisors[:16]}."
+        )
+    return {
+        "moe_intermediate_size": size // groups,
+        "shared_expert_intermediate_size": size // groups if num_shared else None,
+        "moe_output_bias": mlp.down_bias is not None and not num_shared,
+    }
+
+
+def _tokenizer(tokenizer, model_or_path):
+    """The tokenizer for calibration text: the one given (object or path), else the model directory's."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    source = tokenizer if tokenizer is not None else model_or_path
+    if isinstance(source, PreTrainedModel):
+        source = source.config.name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(source))
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"partition='coactivation' needs a tokenizer for the calibration text and none loads from "
+            f"{source!r} ({err}); pass tokenizer=... (a tokenizer or its directory)."
+        ) from err
 
 
 def _dtype(dtype) -> torch.dtype | None:

@@ -4,15 +4,42 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from .experts import Experts
 from .router import build_router
 
 
+class SharedExperts(nn.Module):
+    """Always-active experts (Qwen-MoE, DeepSeek-MoE) as one dense MLP, with transformers' projection names.
+
+    GLU: down_proj(act(gate_proj(x)) * up_proj(x)); plain: down_proj(act(up_proj(x))). Intermediate size
+    num_shared_experts * shared_expert_intermediate_size.
+    Forward: [N, H] -> [N, H]
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        inter = config.num_shared_experts * config.shared_expert_intermediate_size
+        bias = config.expert_bias
+        self.glu = config.expert_glu
+        if self.glu:
+            self.gate_proj = nn.Linear(h, inter, bias=bias)
+        self.up_proj = nn.Linear(h, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, h, bias=bias)
+        self.act_fn = ACT2FN[config.expert_hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x) if self.glu else self.act_fn(self.up_proj(x))
+        return self.down_proj(h)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts. `block(hidden_states)` has the shape of `mlp(hidden_states)`.
 
-    Submodules are named as in transformers' MoE models: `gate` (the router, see `router.py`) and `experts`.
+    Submodules are named as in transformers' MoE models: `gate` (the router, see `router.py`), `experts`, and
+    `shared_experts` when `num_shared_experts` > 0 (their output is added to the routed experts').
     The router's decision is not returned; the model collects it with a forward hook on `gate` when it needs it
     (losses, statistics, `output_router_logits`).
 
@@ -24,6 +51,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = build_router(config)
         self.experts = Experts(config)
+        self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
+        self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.moe_output_bias else None
         self.dropout = nn.Dropout(config.moe_output_dropout) if config.moe_output_dropout else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -34,5 +63,9 @@ class SparseMoeBlock(nn.Module):
             out = self.experts.expert_choice(flat, routing.expert_index, routing.expert_weights)
         else:
             out = self.experts(flat, routing.dispatch_index(), routing.top_k_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if self.bias is not None:
+            out = out + self.bias
         out = out.view(shape)
         return self.dropout(out) if self.dropout is not None else out

@@ -122,6 +122,13 @@ def capacity_kept(top_k_index: torch.Tensor, num_experts: int, capacity: int) ->
     return ((position < capacity) & (slot_major >= 0)).view(k, n).t()
 
 
+def unit_weights(weights: torch.Tensor) -> torch.Tensor:
+    """Ones of the shape of `weights` [N, k] (MoEfication: a chosen expert counts fully), through which the
+    router still learns: the value is w / w = 1 exactly and the gradient is that of log w (straight-through)."""
+    positive = weights > 0
+    return torch.where(positive, weights / torch.where(positive, weights, 1.0).detach(), 1.0)
+
+
 class Router(nn.Module):
     """Base of all routers: `weight` [E, H] and the capacity logic.
 
@@ -138,6 +145,7 @@ class Router(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.capacity_factor = config.capacity_factor
         self.eval_capacity_factor = config.eval_capacity_factor
+        self.unit_weights = config.router_weights == "unit"
         self.init_std = config.moe_init_std
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.reset_parameters()
@@ -165,6 +173,8 @@ class Router(nn.Module):
             capacity = self.capacity(hidden_states.shape[0])
             if capacity is not None:
                 out.kept = capacity_kept(out.top_k_index, self.num_experts, capacity)
+            if self.unit_weights:
+                out.top_k_weights = unit_weights(out.top_k_weights)
             out.top_k_weights = out.top_k_weights.to(hidden_states.dtype)
         return out
 
