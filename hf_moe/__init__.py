@@ -15,6 +15,7 @@ from .configuration import MoEConfig
 from .convert.adapters import NoMLPFoundError
 from .convert.api import convert_to_moe
 from .convert.stream import StreamingUnsupported, convert_checkpoint
+from .export import NativeExport, NativeExportError, export_native
 from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
@@ -61,6 +62,8 @@ __all__ = [
     "MoEForCausalLM",
     "MoEMonitorCallback",
     "MoETrainer",
+    "NativeExport",
+    "NativeExportError",
     "NoMLPFoundError",
     "Router",
     "RouterOutput",
@@ -71,6 +74,7 @@ __all__ = [
     "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",
+    "export_native",
     "load_balancing_loss",
     "register_router",
     "router_z_loss",

@@ -83,3 +83,65 @@ def render_model_card(model) -> str:
         path_hint="path/to/this/folder",
         aux_coef=c.router_aux_loss_coef,
     )
+
+
+def render_native_card(model, native_config, export) -> str:
+    """The model card of a native export (`hf_moe.export_native`): `model` is the hf_moe model exported,
+    `native_config` the native config written, `export` the `NativeExport` (with the measured logit difference)."""
+    from . import __version__
+
+    c = model.config
+    conv = dict(c.moe_conversion or {})
+    counts = model.parameter_counts()
+    base_model = conv.get("base_model") or "unknown"
+    options = ", ".join(f"{k}={v}" for k, v in sorted(conv.get("options", {}).items()))
+    conversion = f"`{conv.get('method', 'unknown')}`" + (f" ({options})" if options else "")
+    if "max_abs_logit_diff" in conv:
+        conversion += f"; at conversion, logits within {conv['max_abs_logit_diff']:.2e} of the dense base model's"
+    num_layers = c.get_text_config().num_hidden_layers
+    dense = [i for i in range(num_layers) if i not in c.moe_layers]
+    moe_layers_text = f"all {num_layers}" if not dense else (
+        f"{len(c.moe_layers)} of {num_layers}: {', '.join(map(str, c.moe_layers))}; dense MLP in "
+        f"{', '.join(map(str, dense))} (`mlp_only_layers`)"
+    )
+    if export.max_abs_logit_diff is not None:
+        exactness = (
+            f"reproduces the hf_moe model's logits: these files, loaded with plain transformers, differ from the "
+            f"hf_moe model by at most {export.max_abs_logit_diff:.2e} on a random probe ({export.probe}); greedy tokens "
+            f"{'equal' if export.same_argmax else 'DIFFER'}"
+        )
+    else:
+        exactness = "the same function as the hf_moe model by construction; not measured at export"
+    license_id = conv.get("license")
+    notes = ""
+    if c.router_z_loss_coef:
+        notes += (
+            f"\n- The hf_moe model had a router z-loss (`router_z_loss_coef={c.router_z_loss_coef}`); "
+            f"`{export.architecture}` has none, so fine-tuning this export does not add it."
+        )
+    return _template("native_export_card.md").format(
+        title=f"{base_model.rstrip('/').split('/')[-1]} MoE ({export.architecture}): {c.num_experts} experts, "
+        f"top-{c.num_experts_per_tok}",
+        model_type=export.model_type,
+        architecture=export.architecture,
+        base_model=base_model,
+        base_model_type=c.base_model_type,
+        license_line=f"license: {license_id}\n" if license_id else "",
+        license_text=f"`{license_id}`, the base model's" if license_id else (
+            "not recorded at conversion: the base model's licence applies; see its model card"
+        ),
+        hf_moe_version=__version__,
+        moe_layers_text=moe_layers_text,
+        num_experts=c.num_experts,
+        top_k=c.num_experts_per_tok,
+        normalisation="renormalised to sum to one" if c.norm_topk_prob else "raw softmax weights (not renormalised)",
+        intermediate_size=c.moe_intermediate_size,
+        total_params=_millions(counts["total"]),
+        active_params=_millions(counts["active"]),
+        conversion=conversion,
+        exactness=exactness,
+        dtype=str(model.dtype).removeprefix("torch."),
+        path_hint="path/to/this/folder",
+        aux_coef=native_config.router_aux_loss_coef,
+        extra_notes=notes,
+    )
