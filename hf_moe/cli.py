@@ -1,4 +1,4 @@
-"""`hf-moe convert | inspect`."""
+"""`hf-moe convert | inspect | export`."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--data", help="text file for --routing")
     inspect.add_argument("--max-tokens", type=int, default=4096)
     inspect.add_argument("--heatmap", help="PNG path for the layers x experts load heatmap (default: DIR/routing.png)")
+
+    export = sub.add_parser("export", help="write a saved MoE model as transformers' native MoE architecture "
+                            "(llama, mistral -> Mixtral; qwen3 -> Qwen3-MoE; olmo2 -> FlexOlmo)")
+    export.add_argument("dir", help="a directory saved by hf_moe")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--no-verify", action="store_true",
+                        help="skip loading the export back to compare its logits (saves memory on huge models)")
+    export.add_argument("--max-shard-size", default="5GB")
     return parser
 
 
@@ -133,10 +141,23 @@ def _inspect(args) -> None:
         print(f"(no heatmap: {err})", file=sys.stderr)
 
 
+def _export(args) -> None:
+    from .export import export_native
+
+    result = export_native(args.dir, args.out, verify=not args.no_verify, max_shard_size=args.max_shard_size)
+    print(f"Exported {args.dir} -> {args.out} as {result.architecture} (model_type {result.model_type!r}).")
+    if result.max_abs_logit_diff is not None:
+        print(
+            f"Max |logit difference| to the hf_moe model on a random probe: {result.max_abs_logit_diff:.2e} "
+            f"(greedy tokens {'equal' if result.same_argmax else 'differ'})."
+        )
+    print(f"Load it with plain transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        {"convert": _convert, "inspect": _inspect}[args.command](args)
+        {"convert": _convert, "inspect": _inspect, "export": _export}[args.command](args)
     except (ValueError, FileNotFoundError, TypeError) as err:
         print(f"hf-moe {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""`hf-moe convert` and `hf-moe inspect`."""
+"""`hf-moe convert`, `hf-moe inspect` and `hf-moe export`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import random_ids, tiny_dense, tiny_tokenizer
+from transformers import AutoModelForCausalLM
 
 from hf_moe import MoEForCausalLM
 from hf_moe.cli import main
@@ -73,7 +74,7 @@ def test_errors_exit_2_with_a_message(argv, message, dense_dir, tmp_path, capsys
 
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "hf_moe.cli", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "convert" in result.stdout and "inspect" in result.stdout
+    assert result.returncode == 0 and all(c in result.stdout for c in ("convert", "inspect", "export"))
 
 
 def test_env_report_names_every_op():
@@ -119,3 +120,42 @@ def test_options_of_the_other_method_are_refused(dense_dir, tmp_path, capsys):
     assert main(["convert", str(dense_dir), str(tmp_path / "m"), "--num-experts", "4", "--top-k", "2",
                  "--method", "split", "--noise", "0.1"]) == 2
     assert "only apply to method='upcycle'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def mistral_moe_dir(tmp_path):
+    """`hf-moe convert` of a tiny Mistral whose card declares a licence."""
+    dense = tiny_dense("mistral")
+    dense.save_pretrained(tmp_path / "dense")
+    tiny_tokenizer().save_pretrained(tmp_path / "dense")
+    (tmp_path / "dense" / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny\n")
+    assert main(["convert", str(tmp_path / "dense"), str(tmp_path / "moe"), "--num-experts", "4", "--top-k", "2",
+                 "--noise", "0.01"]) == 0
+    return tmp_path / "moe"
+
+
+def test_export_a_saved_checkpoint(mistral_moe_dir, tmp_path, capsys):
+    out = tmp_path / "native"
+    assert main(["export", str(mistral_moe_dir), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "as MixtralForCausalLM" in printed and "greedy tokens equal" in printed
+    assert (out / "tokenizer.json").read_bytes() == (mistral_moe_dir / "tokenizer.json").read_bytes()
+    card = (out / "README.md").read_text()
+    assert "\nlicense: apache-2.0\n" in card and "`apache-2.0`, the base model's" in card
+    ids = random_ids(length=16)  # longer than the sliding window (6)
+    with torch.no_grad():
+        native = AutoModelForCausalLM.from_pretrained(out)(ids).logits
+        moe = MoEForCausalLM.from_pretrained(mistral_moe_dir)(ids).logits
+    torch.testing.assert_close(native, moe, rtol=0, atol=1e-5)
+
+
+def test_export_errors_exit_2(mistral_moe_dir, dense_dir, tmp_path, capsys):
+    assert main(["export", str(mistral_moe_dir), str(mistral_moe_dir)]) == 2
+    assert "Export to a new directory" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert main(["convert", str(dense_dir), str(tmp_path / "qwen2"), "--num-experts", "4", "--top-k", "2"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "qwen2"), str(tmp_path / "out")]) == 2
+    assert "`qwen2` has no native transformers MoE architecture" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
