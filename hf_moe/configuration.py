@@ -63,8 +63,10 @@ class MoEConfig(PreTrainedConfig):
             uses the base model's `initializer_range` (or `init_std`).
         decoder_layers_path (`str`): attribute path from the model to its list of decoder layers.
         moe_block_path (`str`): attribute path, inside a decoder layer, where the MoE block sits.
-        moe_bypassed_paths (`list[str]`): parts of a dense MLP written inline in the decoder layer (OPT's
-            `activation_fn` and `fc2`) that the MoE block replaces; they become identities.
+        moe_bypassed_paths (`list[str]`): parts of a dense MLP that the MoE block replaces when it sits in place
+            of the up projection rather than of the whole MLP: OPT's `activation_fn` and `fc2` (written in the
+            decoder layer), Bloom's `mlp.gelu_impl` and `mlp.dense_4h_to_h` (its MLP's forward also adds the
+            residual). They become identities.
         moe_conversion (`dict`): how the model was made (base model, method, options), for the model card.
         hf_moe_format (`int`): checkpoint layout version.
     """

@@ -174,6 +174,12 @@ def _routing_problems(config: MoEConfig, target: NativeTarget | None) -> list[st
                 f"{name}={getattr(config, name)}: tokens over an expert's capacity are dropped, and native MoE models "
                 "are dropless. Convert dropless (capacity_factor=None, eval_capacity_factor=None)."
             )
+    if config.router_weights != "softmax":
+        problems.append(
+            f"router_weights={config.router_weights!r}: native MoE models weight each chosen expert by its router "
+            "probability. Only router_weights='softmax' exports (method='split' defaults to 'unit'; convert with "
+            "router_weights='softmax' for an exportable, though no longer exact, split)."
+        )
     if target is not None and not target.norm_topk_prob_field and not config.norm_topk_prob:
         problems.append(
             f"norm_topk_prob=False: {target.model_type} always renormalises the top-k weights. Convert with "
@@ -196,6 +202,17 @@ def _expert_problems(config: MoEConfig) -> list[str]:
         )
     if config.expert_bias:
         problems.append("expert_bias=True: native MoE experts have no biases. Only a base MLP without biases exports.")
+    if config.num_shared_experts:
+        problems.append(
+            f"num_shared_experts={config.num_shared_experts}: {', '.join(t.model_type for t in TARGETS.values())} "
+            "have no always-active shared expert (qwen2_moe's is sigmoid-gated, a different function). Convert "
+            "without shared experts."
+        )
+    if config.moe_output_bias:
+        problems.append(
+            "moe_output_bias=True: the block adds the dense MLP's output bias after the experts; native MoE blocks "
+            "have no bias. Only a base MLP without biases exports."
+        )
     if config.moe_output_dropout:
         problems.append(
             f"moe_output_dropout={config.moe_output_dropout}: native MoE blocks have no output dropout. Set "

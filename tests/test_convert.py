@@ -206,8 +206,10 @@ def test_base_model_without_lm_head():
 
 def test_model_without_a_findable_mlp_names_what_it_found():
     dense = tiny_dense()
-    for layer in dense.model.layers:  # a family whose feed-forward we cannot recognise
-        layer.mlp = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 64))
+    for layer in dense.model.layers:  # a feed-forward with two hidden layers: neither act(x W_up) W_down nor a GLU
+        layer.mlp = torch.nn.Sequential(
+            torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 96), torch.nn.SiLU(), torch.nn.Linear(96, 64)
+        )
     with pytest.raises(NoMLPFoundError, match=r"Could not find an MLP.*mlp \(Sequential\)"):
         convert_to_moe(dense, num_experts=4, top_k=2)
 

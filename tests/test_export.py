@@ -203,3 +203,19 @@ def test_qwen3_without_renormalisation_exports(tmp_path):
     result = export_native(moe, tmp_path / "out")
     assert result.max_abs_logit_diff < 1e-5
     assert json.loads((tmp_path / "out" / "config.json").read_text())["norm_topk_prob"] is False
+
+
+def test_split_with_shared_experts_and_unit_weights_does_not_fit(tmp_path):
+    """A split model weights its experts by 1 and keeps an always-active shared expert: neither has a native twin."""
+    moe = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=3, top_k=2, method="split", num_shared_experts=1)
+    message = _error(moe, tmp_path)
+    assert "router_weights='unit'" in message and "num_shared_experts=1" in message
+    assert "mixtral" in message and "qwen2_moe's is sigmoid-gated" in message
+
+
+def test_split_with_softmax_weights_exports(tmp_path):
+    """Split experts are ordinary SiLU-GLU experts: with softmax weights the model exports, equal to the hf_moe one."""
+    moe = hf_moe.convert_to_moe(tiny_dense("qwen3"), num_experts=4, top_k=2, method="split",
+                                router_weights="softmax").eval()
+    result = export_native(moe, tmp_path / "out")
+    assert result.architecture == "Qwen3MoeForCausalLM" and result.max_abs_logit_diff < 1e-5

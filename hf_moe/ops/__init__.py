@@ -40,6 +40,7 @@ REFERENCE = DispatchOps(
 # ACT2FN key -> name of the compiled activation that computes the same function.
 _KERNEL_NAMES = {
     "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",  # the tanh GELU with its constants written out (what Bloom's MLP computes)
     "relu": "relu", "relu2": "relu2",
 }
 
