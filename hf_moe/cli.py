@@ -75,6 +75,7 @@ _OPTION_FLAGS = (
 def _convert(args) -> None:
     from .convert.api import convert_to_moe
     from .convert.stream import StreamingUnsupported, convert_checkpoint
+    from .model_card import block_diff_text
 
     start = time.perf_counter()
     options = {"seed": args.seed, "router_type": args.router}
@@ -107,7 +108,7 @@ def _convert(args) -> None:
             f"(greedy tokens {'equal' if conv['same_argmax'] else 'differ'})."
         )
     if "max_abs_block_diff" in conv:
-        print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {conv['max_abs_block_diff']:.2e}.")
+        print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {block_diff_text(conv)}.")
 
 
 def _copy_tokenizer(src: str, out: str) -> None:

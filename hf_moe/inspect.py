@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import _EXPERT_KEY, INDEX_NAME, read_safetensors_header, validate_checkpoint
+from .model_card import block_diff_text
 
 
 @dataclass
@@ -124,7 +125,7 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
     if "max_abs_logit_diff" in conv:
         lines.append(f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a random probe")
     elif "max_abs_block_diff" in conv:
-        lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {conv['max_abs_block_diff']:.2e} per layer")
+        lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {block_diff_text(conv)} per layer")
     elif conv:
         lines.append(f"  conversion       {method}")
     return "\n".join(lines)

@@ -10,6 +10,15 @@ _HERE = Path(__file__).resolve().parent
 TEMPLATES = _HERE.parent / "model_cards" if (_HERE.parent / "model_cards").is_dir() else _HERE / "model_cards"
 
 
+def block_diff_text(conv: dict) -> str:
+    """The block difference a streaming conversion recorded, with its scale: '3.91e-03 (dense MLP outputs up to
+    2.3e+02)'."""
+    text = f"{conv['max_abs_block_diff']:.2e}"
+    if "max_abs_mlp_output" in conv:
+        text += f" (dense MLP outputs up to {conv['max_abs_mlp_output']:.2g})"
+    return text
+
+
 def _template(name: str = "moe_model_card.md") -> str:
     return (TEMPLATES / name).read_text()
 
@@ -53,8 +62,8 @@ def render_model_card(model) -> str:
         )
     elif "max_abs_block_diff" in conv:
         exactness = (
-            f"every MoE block's output differs from the dense MLP's by at most {conv['max_abs_block_diff']:.2e} "
-            f"({conv.get('probe', 'probe')}; streaming conversion)"
+            f"every MoE block's output differs from the dense MLP's by at most {block_diff_text(conv)}; "
+            f"streaming conversion, probe: {conv.get('probe', 'random')}"
         )
     else:
         exactness = "not measured"

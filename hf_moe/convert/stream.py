@@ -144,7 +144,7 @@ def convert_checkpoint(
             writer.on_write = bar.update
             for key in copied:
                 writer.write(key, source.read(names[key]).to(layout[key][0]))
-            worst = 0.0
+            worst = scale = 0.0
             pending = (first, first_block)  # the first layer is already converted
             del first, first_block
             for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False,
@@ -156,13 +156,15 @@ def convert_checkpoint(
                     _check_same_shape(first_shape, mlp, i)
                     block = convert_block(method, mlp, config, opts, None, generator, materialize=False)
                 if opts["verify"]:
-                    worst = max(worst, _block_gap(mlp, block))
+                    gap, size = _block_gap(mlp, block)
+                    worst, scale = max(worst, gap), max(scale, size)
                 writer.write_many(checkpoint_state_dict_of_block(block, block_prefix[i]))
                 del mlp, block
         writer.close()
         if opts["verify"]:
             config.moe_conversion.update(
                 max_abs_block_diff=worst,
+                max_abs_mlp_output=scale,
                 probe=f"per MoE layer: 16 random hidden states through the dense MLP and the MoE block, "
                 f"{str(working_dtype).removeprefix('torch.')}, eval mode",
             )
@@ -243,14 +245,16 @@ def _check_same_shape(first: tuple, mlp: DenseMLP, index: int) -> None:
 
 
 @torch.no_grad()
-def _block_gap(mlp: DenseMLP, block: nn.Module) -> float:
-    """max |block(x) - mlp(x)| on 16 random hidden states, in eval mode."""
+def _block_gap(mlp: DenseMLP, block: nn.Module) -> tuple[float, float]:
+    """(max |block(x) - mlp(x)|, max |mlp(x)|) on 16 random hidden states x ~ N(0, 1), in eval mode. The second
+    gives the first its scale: on unnormalised random inputs a real MLP's outputs can be in the hundreds."""
     from .adapters import expert_forward
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(16, mlp.hidden_size, generator=generator).to(mlp.up.dtype)
     block.eval()
-    return (block(x).float() - expert_forward(mlp, x).float()).abs().max().item()
+    expected = expert_forward(mlp, x).float()
+    return (block(x).float() - expected).abs().max().item(), expected.abs().max().item()
 
 
 # --------------------------------------------------------------------------------------------------------------
