@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         {"convert": _convert, "inspect": _inspect, "export": _export}[args.command](args)
-    except (ValueError, FileNotFoundError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:  # bad input and missing or unwritable paths
         print(f"hf-moe {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0
