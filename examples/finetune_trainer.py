@@ -99,6 +99,7 @@ def main(argv=None) -> dict:
         data_seed=args.seed,
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(),  # else transformers runs CPU processes as separate single ones
         train_sampling_strategy="sequential" if args.sequential else "random",
         disable_tqdm=True,
     )

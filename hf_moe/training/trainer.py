@@ -37,6 +37,17 @@ def _optimizer_file(directory: str) -> str:
 class MoETrainer(Trainer):
     """A `transformers.Trainer` that checkpoints and resumes expert-parallel hf_moe models (see the module doc)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self._expert_parallel and self.args.world_size != dist.get_world_size():
+            raise ValueError(
+                f"The model is expert-parallel over {dist.get_world_size()} processes, but TrainingArguments "
+                f"sees world_size={self.args.world_size}: every process would train on the same batches and the "
+                "experts' gradients would not match the data. On a machine without GPUs pass "
+                "TrainingArguments(use_cpu=True) (transformers runs several CPU processes only then); otherwise "
+                "launch with torchrun / accelerate launch so that TrainingArguments sees every process."
+            )
+
     @property
     def _expert_parallel(self) -> bool:
         return getattr(_unwrap(self.model), "expert_parallel_plan", None) is not None

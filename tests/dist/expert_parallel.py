@@ -206,6 +206,23 @@ def trainer(out: Path) -> None:
     ok("MoETrainer checkpoint and resume under EP")
 
 
+def misconfigured(out: Path) -> None:
+    """Under torchrun on CPU, TrainingArguments without use_cpu=True sees one process: MoETrainer must refuse."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    data = Dataset.from_dict({"input_ids": [[3, 4, 5]] * 4, "labels": [[3, 4, 5]] * 4})
+    args = TrainingArguments(str(out / "single"), max_steps=1, report_to=[], disable_tqdm=True)
+    assert args.world_size == 1
+    try:
+        hf_moe.MoETrainer(model=expert_parallel(make_model()), args=args, train_dataset=data)
+    except ValueError as err:
+        assert "use_cpu=True" in str(err), err
+    else:
+        raise AssertionError("MoETrainer accepted TrainingArguments that see one of two processes")
+    ok("MoETrainer refuses TrainingArguments that do not see every process")
+
+
 def main(mode: str, out: str) -> None:
     global RANK, WORLD
     dist.init_process_group("gloo")
@@ -222,6 +239,8 @@ def main(mode: str, out: str) -> None:
         reload_wider(out)
     elif mode == "trainer":
         trainer(out)
+    elif mode == "misconfigured":
+        misconfigured(out)
     else:
         raise SystemExit(f"unknown mode {mode}")
     dist.barrier()
