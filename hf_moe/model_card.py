@@ -107,6 +107,8 @@ def render_native_card(model, native_config, export) -> str:
     conversion = f"`{conv.get('method', 'unknown')}`" + (f" ({options})" if options else "")
     if "max_abs_logit_diff" in conv:
         conversion += f"; at conversion, logits within {conv['max_abs_logit_diff']:.2e} of the dense base model's"
+    elif "max_abs_block_diff" in conv:
+        conversion += f"; at conversion (streamed), every MoE block within {block_diff_text(conv)} of its dense MLP"
     num_layers = c.get_text_config().num_hidden_layers
     dense = [i for i in range(num_layers) if i not in c.moe_layers]
     moe_layers_text = f"all {num_layers}" if not dense else (
