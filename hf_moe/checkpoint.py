@@ -183,21 +183,33 @@ def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor] | None = No
     state_dict = dict(state_dict)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state_dict.pop(key, None)
-    state_dict = remove_tied_weights_from_state_dict(state_dict, model)
-    offsets = {  # fused key -> global id of its first expert (not 0 with expert parallelism)
-        f"{module_name}.{param_name}": module.expert_offset
-        for module_name, module in model.named_modules()
-        if isinstance(module, Experts)
-        for param_name, _ in module.named_parameters(recurse=False)
+    return split_experts(remove_tied_weights_from_state_dict(state_dict, model), model)
+
+
+def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`state_dict` (of `module`, its keys preceded by `prefix`) with every fused expert tensor [E, ...] of the
+    module's `Experts` split per expert as views: `...experts.up_proj` -> `...experts.{e}.up_proj`, e counted from
+    the module's first expert (not 0 with expert parallelism)."""
+    offsets = {  # fused key -> global id of its first expert
+        f"{prefix}{module_name}.{param_name}": experts.expert_offset
+        for module_name, experts in module.named_modules()
+        if isinstance(experts, Experts)
+        for param_name, _ in experts.named_parameters(recurse=False)
     }
     out = {}
     for key, tensor in state_dict.items():
         if key in offsets:
-            prefix, _, name = key.rpartition(".")
-            out.update({f"{prefix}.{offsets[key] + e}.{name}": tensor[e] for e in range(tensor.shape[0])})
+            head, _, name = key.rpartition(".")
+            out.update({f"{head}.{offsets[key] + e}.{name}": tensor[e] for e in range(tensor.shape[0])})
         else:
             out[key] = tensor
     return out
+
+
+def fused_key(key: str) -> str:
+    """The in-memory name of an on-disk key: `...experts.3.up_proj` -> `...experts.up_proj`; others unchanged."""
+    match = _EXPERT_KEY.match(key)
+    return f"{match['prefix']}.{match['name']}" if match else key
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> dict[str, dict[str, torch.Tensor]]:

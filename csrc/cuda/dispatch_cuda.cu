@@ -138,15 +138,6 @@ __global__ void permute_kernel(const scalar_t* __restrict__ x, const int64_t* __
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) dst[c] = src[c];
 }
 
-// 16-byte copies when every row starts on a 16-byte boundary.
-__global__ void permute_vec_kernel(const uint4* __restrict__ x, const int64_t* __restrict__ sorted_slots,
-                                   int64_t top_k, int64_t vecs, uint4* __restrict__ out) {
-  const int64_t r = blockIdx.x;
-  const uint4* src = x + (sorted_slots[r] / top_k) * vecs;
-  uint4* dst = out + r * vecs;
-  for (int64_t c = threadIdx.x; c < vecs; c += blockDim.x) dst[c] = src[c];
-}
-
 at::Tensor permute_cuda(const at::Tensor& hidden_states, const at::Tensor& sorted_slots, int64_t top_k) {
   TORCH_CHECK(hidden_states.dim() == 2, "permute: hidden_states must be [N, H]");
   const c10::cuda::CUDAGuard guard(hidden_states.device());
@@ -161,9 +152,10 @@ at::Tensor permute_cuda(const at::Tensor& hidden_states, const at::Tensor& sorte
       reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0) {
     const int64_t vecs = row_bytes / 16;
     const int threads = static_cast<int>(std::min<int64_t>(256, ((vecs + 31) / 32) * 32));
-    permute_vec_kernel<<<m, threads, 0, stream>>>(static_cast<const uint4*>(x.data_ptr()),
-                                                  slots.data_ptr<int64_t>(), top_k, vecs,
-                                                  static_cast<uint4*>(out.data_ptr()));
+    // 16-byte copies when every row starts on a 16-byte boundary: the same kernel over uint4 "elements".
+    permute_kernel<uint4><<<m, threads, 0, stream>>>(static_cast<const uint4*>(x.data_ptr()),
+                                                     slots.data_ptr<int64_t>(), top_k, vecs,
+                                                     static_cast<uint4*>(out.data_ptr()));
   } else {
     AT_DISPATCH_ALL_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, x.scalar_type(), "permute_cuda", [&] {
       permute_kernel<scalar_t><<<m, 256, 0, stream>>>(x.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), top_k, h,

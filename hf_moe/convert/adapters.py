@@ -84,6 +84,11 @@ class DenseMLP:
         return any(b is not None for b in (self.up_bias, self.gate_bias, self.down_bias))
 
     @property
+    def kind(self) -> tuple:
+        """What the MLPs converted into one model must share: (glu, has_bias, act, hidden_size, intermediate_size)."""
+        return (self.glu, self.has_bias, self.act, self.hidden_size, self.intermediate_size)
+
+    @property
     def hidden_size(self) -> int:
         return self.up.shape[1]
 

@@ -385,7 +385,7 @@ def _load_dense(model_or_path, dtype) -> tuple[PreTrainedModel, str]:
 
 
 def _check_uniform(mlps: dict[int, DenseMLP]) -> None:
-    kinds = {(m.glu, m.has_bias, m.act, m.hidden_size, m.intermediate_size) for m in mlps.values()}
+    kinds = {m.kind for m in mlps.values()}
     if len(kinds) > 1:
         raise NoMLPFoundError(
             f"The chosen layers have different MLP shapes or activations ({sorted(kinds)}); convert layers of one "

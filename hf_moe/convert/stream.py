@@ -28,7 +28,17 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from ..checkpoint import _finish, _new_staging, _plan_shards, checkpoint_state_dict, read_safetensors_header
+from transformers.utils.hub import convert_file_size_to_int
+
+from ..checkpoint import (
+    _finish,
+    _new_staging,
+    _plan_shards,
+    checkpoint_state_dict,
+    fused_key,
+    read_safetensors_header,
+    split_experts,
+)
 from ..modeling import MoEForCausalLM
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .api import (
@@ -98,11 +108,11 @@ def convert_checkpoint(
     first = _read_mlp(
         source, names, decoder_layers[moe_layers[0]], spec, layers_path, moe_layers[0], working_dtype, base_config
     )
-    first_shape = _mlp_shape(first)
     config = moe_config(
         base_config, num_experts, top_k, method, opts, moe_layers, first, layers_path, spec,
         source=str(src), license=_license(src),
     )
+    first_kind = first.kind
     generator = torch.Generator().manual_seed(opts["seed"])
     first_block = convert_block(method, first, config, opts, None, generator, materialize=False)
     with torch.device("meta"):  # from_dense converts in place: a second meta model, `dense` keeps its MLPs
@@ -122,8 +132,7 @@ def convert_checkpoint(
     for key, meta in planned.items():
         owner = next((i for i, p in block_prefix.items() if key.startswith(p)), None)
         if owner is not None:  # (a block's `bias` may share its name with the dense MLP's: it is the block's)
-            local = _fused_key(key[len(block_prefix[owner]) :])
-            layout[key] = (block_dtypes[local], meta.shape)
+            layout[key] = (block_dtypes[fused_key(key)[len(block_prefix[owner]) :]], meta.shape)
         elif key in names:
             src_dtype, shape = source.dtype_shape(names[key])
             layout[key] = (_cast_dtype(key, src_dtype, dtype, keep_fp32), shape)
@@ -132,7 +141,7 @@ def convert_checkpoint(
             raise StreamingUnsupported(f"the model has a tensor {key!r} that the checkpoint does not hold.")
 
     shards = _plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
-                          _shard_bytes(max_shard_size))
+                          convert_file_size_to_int(max_shard_size))
     target = Path(out).absolute()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot write the MoE checkpoint to {target}: it is a file, not a directory.")
@@ -153,12 +162,13 @@ def convert_checkpoint(
                     (mlp, block), pending = pending, None
                 else:
                     mlp = _read_mlp(source, names, decoder_layers[i], spec, layers_path, i, working_dtype, base_config)
-                    _check_same_shape(first_shape, mlp, i)
+                    _check_same_kind(first_kind, mlp, i)
                     block = convert_block(method, mlp, config, opts, None, generator, materialize=False)
                 if opts["verify"]:
                     gap, size = _block_gap(mlp, block)
                     worst, scale = max(worst, gap), max(scale, size)
-                writer.write_many(checkpoint_state_dict_of_block(block, block_prefix[i]))
+                prefix = block_prefix[i]
+                writer.write_many(split_experts({prefix + k: t for k, t in block.state_dict().items()}, block, prefix))
                 del mlp, block
         writer.close()
         if opts["verify"]:
@@ -176,26 +186,6 @@ def convert_checkpoint(
     return moe
 
 
-def checkpoint_state_dict_of_block(block: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """The block's tensors under their on-disk keys: `prefix` + name, fused experts split per expert."""
-    out = {}
-    for name, tensor in block.state_dict().items():
-        if name.startswith("experts."):
-            param = name.removeprefix("experts.")
-            out.update({f"{prefix}experts.{e}.{param}": tensor[e] for e in range(tensor.shape[0])})
-        else:
-            out[prefix + name] = tensor
-    return out
-
-
-def _fused_key(local: str) -> str:
-    """`experts.3.up_proj` -> `experts.up_proj` (the in-memory name); other names unchanged."""
-    parts = local.split(".")
-    if len(parts) == 3 and parts[0] == "experts" and parts[1].isdigit():
-        return f"experts.{parts[2]}"
-    return local
-
-
 def _cast_dtype(key: str, src: torch.dtype, dtype: torch.dtype | None, keep_fp32: set[str]) -> torch.dtype:
     """The dtype a copied tensor is written in: `dtype` for floating tensors, except modules kept in fp32."""
     if dtype is None or not src.is_floating_point:
@@ -203,12 +193,6 @@ def _cast_dtype(key: str, src: torch.dtype, dtype: torch.dtype | None, keep_fp32
     if src == torch.float32 and keep_fp32 and set(key.split(".")) & keep_fp32:
         return src
     return dtype
-
-
-def _shard_bytes(max_shard_size) -> int:
-    from transformers.utils.hub import convert_file_size_to_int
-
-    return convert_file_size_to_int(max_shard_size)
 
 
 def _read_mlp(source, names, meta_layer, spec, layers_path, index, dtype, base_config) -> DenseMLP:
@@ -231,12 +215,8 @@ def _read_mlp(source, names, meta_layer, spec, layers_path, index, dtype, base_c
     return extract_mlp(layer, spec, base_config)
 
 
-def _mlp_shape(mlp: DenseMLP) -> tuple:
-    return (mlp.glu, mlp.has_bias, mlp.act, mlp.hidden_size, mlp.intermediate_size)
-
-
-def _check_same_shape(first: tuple, mlp: DenseMLP, index: int) -> None:
-    a, b = first, _mlp_shape(mlp)
+def _check_same_kind(first: tuple, mlp: DenseMLP, index: int) -> None:
+    a, b = first, mlp.kind
     if a != b:
         raise NoMLPFoundError(
             f"Layer {index}'s MLP {b} differs from the first converted layer's {a}; convert layers of one kind at "
