@@ -136,3 +136,5 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # exit cleanly under torchrun / accelerate launch (gloo threads)
+        torch.distributed.destroy_process_group()

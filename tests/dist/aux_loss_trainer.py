@@ -48,6 +48,10 @@ def main(out: str, accumulation: int, rows_kind: str) -> None:
         ddp_backend="gloo", seed=0, data_seed=0, average_tokens_across_devices=True,
     )
     Trainer(model=moe, args=args, train_dataset=data, callbacks=[SaveGrads(out)]).train()
+    # Trainer leaves the process group open; gloo threads still running at interpreter teardown can abort the
+    # process ("terminate called without an active exception") after the work is done.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
