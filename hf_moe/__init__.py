@@ -7,9 +7,8 @@ Importing the package registers the `hf_moe` model type with transformers' Auto 
 __version__ = "0.1.0"
 
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import MergeModulelist, WeightConverter
 
+from .compat import MergeModulelist, WeightConverter, register_checkpoint_conversion_mapping
 from .checkpoint import EXPERT_PARAM_NAMES, CheckpointError
 from .configuration import MoEConfig
 from .convert.adapters import NoMLPFoundError

@@ -33,9 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
-from transformers.modeling_utils import remove_tied_weights_from_state_dict
-from transformers.utils.hub import convert_file_size_to_int
 
+from .compat import convert_file_size_to_int, remove_tied_weights_from_state_dict
 from .configuration import CHECKPOINT_FORMAT_VERSION
 from .layers import Experts
 from .model_card import is_generated_card, render_model_card

@@ -16,8 +16,8 @@ import sys
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from .compat import CONFIG_MAPPING, attn_implementation
 from .layers.router import ROUTERS
 
 # Version of the on-disk layout (`checkpoint.py`). A reader refuses a checkpoint with a newer format.
@@ -190,7 +190,7 @@ class MoEConfig(PreTrainedConfig):
         for key in ("model_type", "transformers_version", "architectures"):
             fields.pop(key, None)
         # to_dict() drops the attention implementation; keep what the dense model runs with.
-        fields["attn_implementation"] = base_config._attn_implementation
+        fields["attn_implementation"] = attn_implementation(base_config)
         fields.update(moe_fields)
         return moe_config_class(type(base_config))(**fields)
 

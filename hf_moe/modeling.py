@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
+from .compat import MODEL_FOR_CAUSAL_LM_MAPPING
 from .configuration import MoEConfig, moe_config_class
 from .layers import RouterOutput, SparseMoeBlock
 from .layers.router import AuxFreeRouter

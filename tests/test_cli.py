@@ -73,8 +73,21 @@ def test_errors_exit_2_with_a_message(argv, message, dense_dir, tmp_path, capsys
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "hf_moe.cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run(["hf-moe", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and all(c in result.stdout for c in ("convert", "inspect", "export"))
+    result = subprocess.run([sys.executable, "-m", "hf_moe.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "convert" in result.stdout
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`hf-moe --help` used to import everything first (16 s); parsing is now standard library only."""
+    code = (
+        "import sys, hf_moe_cli\n"
+        "try:\n    hf_moe_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'hf_moe') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_env_report_names_every_op():

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.pytorch_utils import Conv1D
+
+from ..compat import Conv1D
 
 MLP_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "ff", "mlp_block", "feedforward")
 # (gate, up, down) of gated MLPs.

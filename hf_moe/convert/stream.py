@@ -28,8 +28,8 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from transformers.utils.hub import convert_file_size_to_int
 
+from ..compat import convert_file_size_to_int
 from ..checkpoint import (
     _finish,
     _new_staging,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 
+from ..compat import init
 from ..ops import experts_forward, reference
 from ..parallel import plan_under_construction
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import initialization as init
+
+from ..compat import init
 
 ROUTERS: dict[str, type[Router]] = {}
 

@@ -12,12 +12,8 @@ expert parallelism) are passed on to transformers' `grouped_mm` implementation, 
 from __future__ import annotations
 
 import torch
-from transformers.integrations.moe import (
-    ALL_EXPERTS_FUNCTIONS,
-    _default_apply_gate,
-    grouped_mm_experts_forward,
-)
 
+from ..compat import ALL_EXPERTS_FUNCTIONS, default_apply_gate, grouped_mm_experts_forward
 from . import experts_forward
 
 NAME = "hf_moe"
@@ -29,7 +25,7 @@ def _supported(experts: torch.nn.Module) -> bool:
         and getattr(experts, "is_concatenated", True)
         and not getattr(experts, "has_post_expert_norm", False)
         and not getattr(experts, "_is_expert_parallel", False)
-        and getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
+        and getattr(type(experts), "_apply_gate", default_apply_gate) is default_apply_gate
     )
 
 

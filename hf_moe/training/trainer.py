@@ -21,7 +21,10 @@ import os
 import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from ..compat import trainer_file_names
+
+SCHEDULER_NAME, TRAINING_ARGS_NAME = trainer_file_names()
 
 
 def _unwrap(model):

@@ -1,0 +1,91 @@
+"""Every private or internal API of transformers, accelerate and torch that hf_moe uses, in one place.
+
+A name imported from here is one the upstream project may move or change without notice: a leading underscore,
+a module its docs do not list, or a private method we override. When a new release breaks one, this file is the
+only one to change, and `TESTED` says which releases CI runs (the bounds in pyproject.toml are the same).
+
+Public, documented APIs (`AutoConfig.register`, `PreTrainedModel`, `ACT2FN`, `ModelOutput`, `Trainer`, ...) are
+imported where they are used.
+"""
+
+from __future__ import annotations
+
+from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
+
+# The releases CI tests, oldest and newest (pyproject.toml admits exactly this range).
+TESTED = {"transformers": ("5.17.0", "5.23.0"), "torch": ("2.13.0", "2.13.0")}
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers: the Auto mappings (module-level objects of `transformers.models.auto`, not exported at the top)
+# --------------------------------------------------------------------------------------------------------------
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers: loading (the weight-conversion registry that stacks per-expert tensors; 5.x internals)
+# --------------------------------------------------------------------------------------------------------------
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import MergeModulelist, WeightConverter
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers: saving and model internals
+# --------------------------------------------------------------------------------------------------------------
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
+from transformers.utils.hub import convert_file_size_to_int
+from transformers import initialization as init  # the models' own init functions (5.x)
+from transformers.pytorch_utils import Conv1D
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers: the experts implementations of native MoE models (`experts_implementation=...`)
+# --------------------------------------------------------------------------------------------------------------
+from transformers.integrations.moe import (
+    ALL_EXPERTS_FUNCTIONS,
+    grouped_mm_experts_forward,
+)
+from transformers.integrations.moe import _default_apply_gate as default_apply_gate
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a config runs with (`config._attn_implementation`, private in 5.x)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers.Trainer: file names and the private methods MoETrainer overrides (imported on use: Trainer is slow
+# to import, and `import hf_moe` must not pay for it)
+# --------------------------------------------------------------------------------------------------------------
+def trainer_file_names() -> tuple[str, str]:
+    """(SCHEDULER_NAME, TRAINING_ARGS_NAME) of transformers.trainer."""
+    from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+    return SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+
+# MoETrainer overrides these private Trainer methods; they exist with these signatures in every TESTED release:
+#   _save(output_dir, state_dict), _save_optimizer_and_scheduler(output_dir),
+#   _load_optimizer_and_scheduler(checkpoint).
+# MoEForCausalLM overrides the private classmethod PreTrainedModel._from_config(config, **kwargs), which
+# AutoModelForCausalLM.from_config calls.
+
+__all__ = [
+    "ALL_EXPERTS_FUNCTIONS",
+    "CONFIG_MAPPING",
+    "Conv1D",
+    "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MergeModulelist",
+    "TESTED",
+    "TRANSFORMERS_VERSION",
+    "WeightConverter",
+    "attn_implementation",
+    "convert_file_size_to_int",
+    "default_apply_gate",
+    "grouped_mm_experts_forward",
+    "init",
+    "register_checkpoint_conversion_mapping",
+    "remove_tied_weights_from_state_dict",
+    "trainer_file_names",
+]

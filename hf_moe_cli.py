@@ -1,0 +1,82 @@
+"""The `hf-moe` command: parsing only, with the standard library.
+
+Every command's work lives in `hf_moe.cli` and is imported when the command runs, so `hf-moe --help` (and a typo)
+answers at once instead of after importing torch and transformers (several seconds). This module sits outside the
+`hf_moe` package on purpose: importing anything inside it runs `hf_moe/__init__.py`, which registers the model with
+transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _layers(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 0,2,4, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-moe", description="Mixture-of-Experts for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert a dense causal LM to MoE and save it per expert")
+    convert.add_argument("src", help="dense model: a local directory or a Hub id")
+    convert.add_argument("out", help="output directory")
+    convert.add_argument("--num-experts", type=int, required=True)
+    convert.add_argument("--top-k", type=int, required=True)
+    convert.add_argument("--method", default="upcycle", choices=["upcycle", "split"],
+                         help="upcycle: every expert a copy of the MLP; split: the MLP's neurons cut into experts")
+    which = convert.add_mutually_exclusive_group()
+    which.add_argument("--layers", type=_layers, help="decoder layers to convert, e.g. 0,2,4 (default: all)")
+    which.add_argument("--every", type=int, help="convert layers i with (i + 1) %% N == 0")
+    convert.add_argument("--dtype", help="e.g. bfloat16 (default: the checkpoint's)")
+    convert.add_argument("--seed", type=int, default=0)
+    convert.add_argument("--num-shared-experts", type=int, help="always-active shared experts (default 0)")
+    convert.add_argument("--router", default="topk", help="router type: topk, noisy_topk, switch, gshard, "
+                         "prototype, expert_choice, aux_free (or a registered one)")
+    convert.add_argument("--router-weights", choices=["softmax", "unit"],
+                         help="how chosen experts are weighted (default: softmax for upcycle, unit for split)")
+    convert.add_argument("--capacity-factor", type=float, help="expert capacity factor (default: dropless)")
+    up = convert.add_argument_group("upcycle")
+    up.add_argument("--noise", type=float, help="relative std of noise on each expert copy")
+    up.add_argument("--reinit-fraction", type=float, help="Drop-Upcycling: fraction of each expert's neurons redrawn")
+    split = convert.add_argument_group("split")
+    split.add_argument("--partition", choices=["random", "kmeans", "coactivation"], help="default: kmeans")
+    split.add_argument("--calibration-data", help="coactivation: a local .txt/.json/.jsonl file with a text field")
+    split.add_argument("--calibration-tokens", type=int)
+    convert.add_argument("--in-memory", action="store_true", help="load the whole model and check the converted "
+                         "logits against the dense model's (default: stream a local safetensors checkpoint tensor "
+                         "by tensor and check every MoE block against its MLP)")
+    convert.add_argument("--max-shard-size", default="5GB")
+
+    inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
+    inspect.add_argument("dir")
+    inspect.add_argument("--routing", action="store_true", help="run the model over --data and show the routing")
+    inspect.add_argument("--data", help="text file for --routing")
+    inspect.add_argument("--max-tokens", type=int, default=4096)
+    inspect.add_argument("--heatmap", help="PNG path for the layers x experts load heatmap (default: DIR/routing.png)")
+
+    export = sub.add_parser("export", help="write a saved MoE model as transformers' native MoE architecture "
+                            "(llama, mistral -> Mixtral; qwen3 -> Qwen3-MoE; olmo2 -> FlexOlmo)")
+    export.add_argument("dir", help="a directory saved by hf_moe")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--no-verify", action="store_true",
+                        help="skip loading the export back to compare its logits (saves memory on huge models)")
+    export.add_argument("--max-shard-size", default="5GB")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, or 2 for bad input."""
+    args = _parser().parse_args(argv)
+    from hf_moe.cli import run  # the heavy imports start here
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
