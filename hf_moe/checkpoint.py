@@ -45,6 +45,24 @@ EXPERT_PARAM_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<name>\w+)$")
 
 
+# `auto_map`: with it, `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads the model in a
+# process that never imported hf_moe (lm-eval, PEFT, serving scripts). The module it names is a shim written into
+# the checkpoint that imports the installed hf_moe package, which registers the model type: no model code is copied.
+AUTO_MAP_MODULE = "modeling_hf_moe"
+AUTO_MAP = {"AutoConfig": f"{AUTO_MAP_MODULE}.MoEConfig", "AutoModelForCausalLM": f"{AUTO_MAP_MODULE}.MoEForCausalLM"}
+AUTO_MAP_SHIM = '''"""Loads this hf_moe checkpoint with the installed hf_moe package (`pip install hf-moe`).
+
+Written by hf_moe into every checkpoint it saves, so that
+`AutoModelForCausalLM.from_pretrained(this_dir, trust_remote_code=True)` works in a process that never imported
+hf_moe. It holds no model code: importing hf_moe registers the `hf_moe` model type with transformers.
+"""
+
+from hf_moe import MoEConfig, MoEForCausalLM
+
+__all__ = ["MoEConfig", "MoEForCausalLM"]
+'''
+
+
 class CheckpointError(ValueError):
     """A saved MoE checkpoint is incomplete, corrupt, or from an unsupported version."""
 
@@ -126,7 +144,9 @@ def _finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]
     config = model.config
     config.architectures = [type(model).__name__]
     config.dtype = str(model.dtype).removeprefix("torch.")
+    config.auto_map = dict(AUTO_MAP)
     config.save_pretrained(staging)
+    (staging / f"{AUTO_MAP_MODULE}.py").write_text(AUTO_MAP_SHIM)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(staging)
     (staging / "README.md").write_text(render_model_card(model))

@@ -48,6 +48,15 @@ from transformers.integrations.moe import (
 from transformers.integrations.moe import _default_apply_gate as default_apply_gate
 
 
+def register_output_recording(model) -> None:
+    """Register a model's `_can_record_outputs` under its current class. transformers' output capturing
+    (`output_hidden_states`, `output_attentions`) looks them up by class name in a registry filled at
+    construction; hf_moe gives the built backbone an MoE subclass (`MoELlamaModel`), which must be found too."""
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+
+
 def attn_implementation(config) -> str | None:
     """The attention implementation a config runs with (`config._attn_implementation`, private in 5.x)."""
     return getattr(config, "_attn_implementation", None)
@@ -85,6 +94,7 @@ __all__ = [
     "default_apply_gate",
     "grouped_mm_experts_forward",
     "init",
+    "register_output_recording",
     "register_checkpoint_conversion_mapping",
     "remove_tied_weights_from_state_dict",
     "trainer_file_names",

@@ -166,6 +166,12 @@ class MoEConfig(PreTrainedConfig):
                 "A custom router must be registered (@hf_moe.register_router) before the config is created."
             )
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """Does nothing. transformers calls it when it loads a checkpoint's `auto_map` code; marking this class
+        would make every later save copy hf_moe's source files into the checkpoint. An hf_moe checkpoint's
+        `auto_map` always points at the small shim `hf_moe.checkpoint` writes, which imports the installed package."""
+
     @property
     def moe_init_std(self) -> float:
         """Std of the normal init of new MoE weights: `router_init_std`, else the base model's init std."""
@@ -197,7 +203,7 @@ class MoEConfig(PreTrainedConfig):
     def to_base_config(self) -> PreTrainedConfig:
         """The dense base config, without the MoE fields."""
         own = set(MoEConfig.__dataclass_fields__) - set(PreTrainedConfig.__dataclass_fields__)
-        fields = {k: v for k, v in self.to_dict().items() if k not in own and k != "base_model_type"}
+        fields = {k: v for k, v in self.to_dict().items() if k not in own and k not in ("base_model_type", "auto_map")}
         fields.pop("model_type", None)
         return self.base_config_class(**fields)
 

@@ -122,7 +122,14 @@ NO_TARGET_WHY = {
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",
 }
 # Keys of a config's to_dict() that describe the file, not the model.
-_BOOKKEEPING = ("model_type", "transformers_version", "architectures", "_name_or_path", "output_attentions")
+_BOOKKEEPING = ("model_type", "transformers_version", "architectures", "_name_or_path", "output_attentions", "auto_map")
+
+
+def _is_metadata(name: str) -> bool:
+    """A base config field that does not change what the model computes, carried into the native config as it is:
+    private bookkeeping a loader adds (`_model_name_or_path`, from transformers' GGUF loader) and special-token ids
+    (`unk_token_id`), which only the tokenizer and `generate` read."""
+    return name.startswith("_") or name.endswith(("_token_id", "_token_ids"))
 
 
 @dataclass
@@ -253,18 +260,25 @@ def _base_fields(config: MoEConfig, target: NativeTarget) -> tuple[dict, list[st
             fits, why = target.required[name]
             if value != fits:
                 problems.append(f"{name}={value!r}: {why}; only {name}={fits!r} exports.")
-        elif name in declared or name in target.passed:
+        elif name in declared or name in target.passed or _is_metadata(name):
             fields[name] = value
         elif name not in target.dropped:
             problems.append(
-                f"config field {name}={value!r} of `{config.base_model_type}` has no counterpart in "
-                f"{target.model_type}; an exact export cannot carry it."
+                f"config field {name}={_short(value)} of `{config.base_model_type}` has no counterpart in "
+                f"{target.model_type}, so an exact export cannot carry it. If it does not change what the model "
+                "computes, delete it from the checkpoint's config.json and export again; otherwise keep this model "
+                "in hf_moe's format."
             )
     if target.attention is not None:
         attention, attention_problems = target.attention(base)
         fields.update(attention)
         problems += attention_problems
     return fields, problems
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -379,8 +393,11 @@ def export_native(
     target = Path(out_dir).absolute()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot export to {target}: it is a file, not a directory.")
-    moe, source_dir = _load_moe(moe_model_or_dir, target)
-    config = native_config(moe.config)  # raises with every reason first, before anything is written
+    moe, source_dir = _source(moe_model_or_dir, target)
+    # Every reason it cannot export, from config.json alone: before any weight is read or anything written.
+    config = native_config(moe.config if moe is not None else MoEConfig.from_pretrained(source_dir))
+    if moe is None:
+        moe = MoEForCausalLM.from_pretrained(source_dir, dtype="auto")
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.hf_moe-export-{uuid.uuid4().hex[:8]}"
@@ -400,9 +417,9 @@ def export_native(
     return result
 
 
-def _load_moe(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM, str | None]:
-    """The hf_moe model, and the directory it came from (for its tokenizer files), if any. The export must not
-    replace that directory."""
+def _source(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM | None, str | None]:
+    """The hf_moe model if one was passed (else None: it is loaded once the config is known to export), and the
+    directory it came from (for its tokenizer files), if any. The export must not replace that directory."""
     if isinstance(moe_model_or_dir, MoEForCausalLM):
         model, path = moe_model_or_dir, moe_model_or_dir.config.name_or_path
         path = path if path and os.path.isdir(path) else None
@@ -417,7 +434,7 @@ def _load_moe(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM, str | Non
         )
     if path is not None and Path(path).absolute() == target:
         raise NativeExportError(f"Export to a new directory: {target} holds the hf_moe model being exported.")
-    return (model if model is not None else MoEForCausalLM.from_pretrained(path, dtype="auto")), path
+    return model, path
 
 
 def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:

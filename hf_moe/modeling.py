@@ -1,34 +1,35 @@
 """`MoEForCausalLM`: a base causal LM with MoE blocks in place of some of its MLPs.
 
 The model *is* the base architecture: `MoEForCausalLM(config)` returns an instance of a subclass of both
-`MoEForCausalLM` and the base model's causal-LM class (`MoELlamaForCausalLM` derives from `LlamaForCausalLM`).
+`MoEForCausalLM` and the base model's causal-LM class (`MoELlamaForCausalLM` derives from `LlamaForCausalLM`), and
+its backbone is an instance of a subclass of the base backbone (`MoELlamaModel` derives from `LlamaModel`).
 Attention, caches, generation, gradient checkpointing and `device_map` are the base model's own code; only the
-chosen MLP modules are swapped for `SparseMoeBlock`s. The forward wraps the base forward to add the
-load-balancing loss and return a `MoeCausalLMOutputWithPast`.
+chosen MLP modules are swapped for `SparseMoeBlock`s. As in transformers' own MoE models, the backbone returns a
+`MoeModelOutputWithPast` with each MoE layer's `router_logits` when asked (`output_router_logits`), and the
+causal-LM head adds the load-balancing and z losses and returns a `MoeCausalLMOutputWithPast`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
 import sys
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-from transformers import AutoModelForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from .compat import MODEL_FOR_CAUSAL_LM_MAPPING
-from .configuration import MoEConfig, moe_config_class
+from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, register_output_recording
+from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .layers import RouterOutput, SparseMoeBlock
 from .layers.router import AuxFreeRouter
-from .losses import load_balancing_loss, router_z_loss
-from .routing import RouterRecorder, RoutingStats, moe_blocks
+from .routing import RouterRecorder, RoutingStats, moe_blocks, routing_losses, token_mask
 from .training import aux_free
 
 @dataclass
@@ -43,6 +44,15 @@ class MoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+# Keyword arguments of `PreTrainedModel.from_pretrained` that are about loading, not config fields, although some
+# share a name with a config attribute (`dtype`). Every other keyword naming a config attribute sets it.
+_LOADING_KWARGS = frozenset(inspect.signature(PreTrainedModel.from_pretrained).parameters) | {
+    "_commit_hash", "_from_auto", "_from_pipeline", "adapter_kwargs", "adapter_name", "allow_all_kernels",
+    "attn_implementation", "device_map", "device_mesh", "distributed_config", "dtype", "experts_implementation",
+    "generation_config", "gguf_file", "kernel_config", "key_mapping", "max_memory", "offload_buffers",
+    "offload_folder", "output_loading_info", "proxies", "quantization_config", "state_dict", "subfolder",
+    "torch_dtype", "tp_plan", "tp_size", "tqdm_class", "trust_remote_code", "use_kernels", "variant",
+}
 
 
 class MoEForCausalLM(PreTrainedModel, GenerationMixin):
@@ -69,6 +79,12 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         install_moe_blocks(self, config)  # new blocks initialise themselves (see `reset_parameters`)
         self.post_init()  # recomputes the tied-weight map and the other per-model properties
         aux_free.track(self)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """Does nothing. transformers calls it when it loads a checkpoint's `auto_map` code; marking this class
+        would make every later save copy hf_moe's source files into the checkpoint. An hf_moe checkpoint's
+        `auto_map` always points at the small shim `hf_moe.checkpoint` writes, which imports the installed package."""
 
     # ----------------------------------------------------------------------------------------------------------
     # Construction
@@ -104,6 +120,10 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         """`PreTrainedModel.from_pretrained`, with the checkpoint checked first: a missing, truncated or corrupt
         file, a missing tensor, or a checkpoint from a newer hf_moe is an error that names it.
 
+        Keyword arguments that name a config field (`output_router_logits=True`, `router_aux_loss_coef=0.0`,
+        `num_experts_per_tok=1`, or any field of the base config) set it, as in transformers; unlike transformers,
+        they do so also when an explicit `config=` is passed (on a copy of it).
+
         With `expert_parallel=True` (under torchrun / accelerate launch) each rank builds and reads only its own
         block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`).
         """
@@ -111,16 +131,21 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
 
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
-        if os.path.isdir(path) and not kwargs.pop("_validated", False):
+        if os.path.isdir(local_dir) and not kwargs.pop("_validated", False):
             validate_checkpoint(local_dir)
         if expert_parallel:
             return cls._from_pretrained_expert_parallel(local_dir, model_args, kwargs, expert_parallel_size, process_group)
-        if cls.base_model_class is None:
-            config = kwargs.get("config")
-            if not isinstance(config, MoEConfig):
-                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-                kwargs["config"] = config = MoEConfig.from_pretrained(path, **hub)
-            cls = moe_model_class_for_config(config)
+        config = kwargs.get("config")
+        if isinstance(config, MoEConfig):
+            kwargs["config"] = config = _with_config_kwargs(config, kwargs)
+            if cls.base_model_class is None:
+                cls = moe_model_class_for_config(config)
+        elif config is not None and not isinstance(config, (str, os.PathLike)):
+            moe_model_class_for_config(config)  # raises: not an MoE config, with what to do instead
+        elif cls.base_model_class is None:  # transformers loads the config; we only need its base type
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            config_dict, _ = MoEConfig.get_config_dict(os.fspath(config) if config is not None else path, **hub)
+            cls = moe_model_class_for_config_class(moe_config_class(_base_config_class(config_dict.get("base_model_type"))))
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, info = super(MoEForCausalLM, cls).from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
@@ -161,15 +186,23 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             output_router_logits = self.config.output_router_logits
         return_dict = kwargs.pop("return_dict", None)
         labels = kwargs.get("labels")
-        record = output_router_logits or labels is not None or self.training
-
-        with RouterRecorder(self) if record else nullcontext() as recorder:
+        recorder = self.base_model.router_recorder
+        opened = recorder.start() if output_router_logits or labels is not None or self.training else False
+        try:
             outputs = base_forward(self, **kwargs)
+        finally:
+            routings = recorder.stop() if opened else []
 
         loss = outputs.loss
         aux_loss = z_loss = None
-        if recorder is not None and recorder.outputs:
-            aux_loss, z_loss = self._router_losses(recorder.outputs, kwargs.get("attention_mask"))
+        if routings:
+            mask = token_mask(kwargs.get("attention_mask"), routings[0].router_logits.shape[0])
+            balance, z = routing_losses(routings, self.config.num_experts, mask)
+            if self.training:
+                self.base_model.record_routing(routings, balance, z)
+            token_choice = [b for b in balance if b is not None]
+            aux_loss = torch.stack(token_choice).mean() if token_choice else None
+            z_loss = torch.stack(z).mean()
             if labels is not None and loss is not None and self.training:
                 c = self.config
                 extra = c.router_z_loss_coef * z_loss
@@ -186,40 +219,14 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
-            router_logits=tuple(r.router_logits for r in recorder.outputs) if output_router_logits else None,
+            router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
         )
         return result if return_dict is not False else result.to_tuple()
-
-    def _router_losses(self, routings: list[RouterOutput], attention_mask) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(balancing loss averaged over the token-choice layers, or None; z-loss averaged over all layers).
-
-        In training, also adds each layer's numbers to `routing_stats` and the loads to aux_free routers.
-        """
-        num_experts = self.config.num_experts
-        mask = _token_mask(attention_mask, routings[0].router_logits.shape[0])
-        balance = [
-            None if r.is_expert_choice else load_balancing_loss(r.router_probs, r.top_k_index, num_experts, mask)
-            for r in routings
-        ]
-        z = [router_z_loss(r.router_logits, mask) for r in routings]
-        if self.training:
-            stats = self.routing_stats
-            for layer, (block, routing) in enumerate(zip(moe_blocks(self), routings)):
-                stats.add(layer, routing, balance[layer], z[layer])
-                if isinstance(block.gate, AuxFreeRouter):
-                    block.gate.record_load(routing.expert_load(num_experts))
-        token_choice = [b for b in balance if b is not None]
-        return (torch.stack(token_choice).mean() if token_choice else None), torch.stack(z).mean()
 
     @property
     def routing_stats(self) -> RoutingStats:
         """Routing statistics summed over training forwards since the last reset (see `RoutingStats`)."""
-        stats = self.__dict__.get("_routing_stats")
-        device = moe_blocks(self)[0].gate.weight.device
-        if stats is None or stats.load.device != device:
-            stats = RoutingStats(len(self.config.moe_layers), self.config.num_experts, device)
-            self.__dict__["_routing_stats"] = stats  # a plain attribute: not a buffer, not in the state dict
-        return stats
+        return self.base_model.routing_stats
 
     def update_router_biases(self) -> None:
         """Move the selection bias of every aux_free router toward balance, from the loads since the last call.
@@ -277,13 +284,6 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         return {"total": total, "active": active, "expert": expert, "experts_per_token": c.num_experts_per_tok}
 
 
-def _token_mask(attention_mask: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
-    """The 2-D padding mask as [N] flags, when it lines up with the routed tokens (not during cached decoding)."""
-    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.numel() != num_tokens:
-        return None
-    return attention_mask.reshape(-1) != 0
-
-
 def _aux_loss_weight(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor | float:
     """Scale of the aux loss so that it is weighted like the LM loss it is added to.
 
@@ -299,14 +299,113 @@ def _aux_loss_weight(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor |
     return local.to(torch.float32) / num_items_in_batch
 
 
+def _with_config_kwargs(config: MoEConfig, kwargs: dict) -> MoEConfig:
+    """`config`, or a copy with the config fields named in `kwargs` set (and popped from `kwargs`)."""
+    fields = [k for k in kwargs if k not in _LOADING_KWARGS and hasattr(config, k)]
+    if not fields:
+        return config
+    config = copy.deepcopy(config)
+    for name in fields:
+        setattr(config, name, kwargs.pop(name))
+    config._validate_moe()
+    return config
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The backbone: router logits on its output, routing statistics in training
+# --------------------------------------------------------------------------------------------------------------
+class MoEBackboneMixin:
+    """The base model's backbone with MoE blocks: `MoELlamaModel` derives from this and `LlamaModel`.
+
+    Its forward is the base forward, plus: with `output_router_logits` (argument or config) it returns a
+    `MoeModelOutputWithPast` whose `router_logits` holds each MoE layer's router logits [N, E] (N = batch * seq),
+    as Mixtral's and Qwen3-MoE's backbones do, so tools that run the backbone alone (TRL's fused LM head) find
+    them; in training it adds each layer's routing to `routing_stats` and to the aux_free routers' loads.
+
+    `router_recorder` (a `hf_moe.routing.RouterRecorder`) is shared with the model's MoE blocks.
+    """
+
+    router_recorder: RouterRecorder
+
+    def _moe_backbone_forward(self, base_forward, output_router_logits: bool | None = None, **kwargs):
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        return_dict = kwargs.pop("return_dict", None)
+        recorder = self.router_recorder
+        opened = recorder.start() if output_router_logits or self.training else False
+        try:
+            outputs = base_forward(self, **kwargs)
+            routings = recorder.outputs if recorder.outputs is not None else []  # an outer recording: the head's
+        finally:
+            if opened:
+                recorder.stop()
+        if opened and self.training and routings:  # called alone; under the head, the head records them
+            mask = token_mask(kwargs.get("attention_mask"), routings[0].router_logits.shape[0])
+            self.record_routing(routings, *routing_losses(routings, self.config.num_experts, mask))
+        router_logits = tuple(r.router_logits for r in routings) if output_router_logits else None
+        outputs = _moe_model_output(outputs, router_logits)
+        return outputs.to_tuple() if return_dict is False and not isinstance(outputs, tuple) else outputs
+
+    def record_routing(
+        self, routings: list[RouterOutput], balance: list[torch.Tensor | None], z: list[torch.Tensor]
+    ) -> None:
+        """Add one training forward's routing (and its per-layer losses) to `routing_stats` and to the aux_free
+        routers' loads."""
+        stats = self.routing_stats
+        for layer, (block, routing) in enumerate(zip(moe_blocks(self), routings)):
+            stats.add(layer, routing, balance[layer], z[layer])
+            if isinstance(block.gate, AuxFreeRouter):
+                block.gate.record_load(routing.expert_load(self.config.num_experts))
+
+    @property
+    def routing_stats(self) -> RoutingStats:
+        """Routing statistics summed over training forwards since the last reset (see `RoutingStats`). A plain
+        attribute made with the blocks, not buffers: nothing in the state dict, and no cast by `model.to(dtype)`;
+        it follows the routers to their device."""
+        stats = self._routing_stats
+        device = moe_blocks(self)[0].gate.weight.device
+        if stats.load.device != device:
+            stats.to(device)
+        return stats
+
+
+_MOE_MODEL_OUTPUT_FIELDS = frozenset(MoeModelOutputWithPast.__dataclass_fields__)
+
+
+def _moe_model_output(outputs, router_logits: tuple[torch.Tensor, ...] | None):
+    """The backbone's output as a `MoeModelOutputWithPast` with `router_logits`. An output type with fields
+    `MoeModelOutputWithPast` lacks (GPT-2's `cross_attentions`) keeps its type and gains the key, since the base
+    head reads those fields; a tuple output (a config with return_dict=False) gains an element."""
+    if isinstance(outputs, tuple):
+        return outputs + (router_logits,) if router_logits is not None else outputs
+    if type(outputs).__dataclass_fields__.keys() <= _MOE_MODEL_OUTPUT_FIELDS:
+        return MoeModelOutputWithPast(**dict(outputs.items()), router_logits=router_logits)
+    if router_logits is not None:
+        outputs["router_logits"] = router_logits
+    return outputs
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Where the MoE blocks go
 # --------------------------------------------------------------------------------------------------------------
 def install_moe_blocks(model: nn.Module, config: MoEConfig, blocks: dict[int, nn.Module] | None = None) -> None:
-    """Put an MoE block in each layer of `config.moe_layers` (new blocks unless `blocks` gives them)."""
+    """Put an MoE block in each layer of `config.moe_layers` (new blocks unless `blocks` gives them), and make the
+    backbone an MoE backbone (`MoEBackboneMixin`) whose recorder the blocks share."""
+    backbone = model.base_model
+    if backbone is model:
+        raise ValueError(
+            f"{type(model).__name__} has no backbone module (`{model.base_model_prefix}`) for hf_moe to return the "
+            "router logits from; this layout is not supported."
+        )
+    if not isinstance(backbone, MoEBackboneMixin):
+        backbone.__class__ = moe_backbone_class(type(backbone))
+        register_output_recording(backbone)  # transformers looks up what to record by the class name
+        backbone.router_recorder = RouterRecorder()
+        backbone._routing_stats = RoutingStats(len(config.moe_layers), config.num_experts)
     layers = model.get_submodule(config.decoder_layers_path)
     for i in config.moe_layers:
         block = blocks[i] if blocks is not None else SparseMoeBlock(config)
+        block.router_recorder = backbone.router_recorder
         _set_submodule(layers[i], config.moe_block_path, block)
         for path in config.moe_bypassed_paths:
             _set_submodule(layers[i], path, nn.Identity())
@@ -327,9 +426,13 @@ def moe_model_class_for_config(config) -> type[MoEForCausalLM]:
             f"MoEForCausalLM needs an MoEConfig (model_type='hf_moe'), got {type(config).__name__}. "
             "To make an MoE model from a dense one, use `hf_moe.convert_to_moe(model, num_experts, top_k)`."
         )
-    base_config = config.base_config_class
+    return moe_model_class_for_config_class(type(config))
+
+
+def moe_model_class_for_config_class(config_class: type[MoEConfig]) -> type[MoEForCausalLM]:
+    base_config = config_class.base_config_class
     if base_config not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"transformers has no causal-LM class for model type {config.base_model_type!r}.")
+        raise ValueError(f"transformers has no causal-LM class for model type {base_config.model_type!r}.")
     base_class = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
     if isinstance(base_class, (list, tuple)):
         base_class = base_class[0]
@@ -356,7 +459,7 @@ def moe_model_class(base_model_class: type[PreTrainedModel]) -> type[MoEForCausa
         "__doc__": f"`MoEForCausalLM` over `{base_model_class.__name__}`.",
         "config_class": config_class,
         "base_model_class": base_model_class,
-        "forward": _wrap_forward(base_model_class.forward),
+        "forward": _wrap_forward(base_model_class.forward, "_moe_forward"),
     }
     cls = _MODEL_CLASSES[base_model_class] = type(name, (MoEForCausalLM, base_model_class), namespace)
     setattr(sys.modules[__name__], name, cls)
@@ -364,34 +467,57 @@ def moe_model_class(base_model_class: type[PreTrainedModel]) -> type[MoEForCausa
     return cls
 
 
+_BACKBONE_CLASSES: dict[type[nn.Module], type[MoEBackboneMixin]] = {}
+
+
+def moe_backbone_class(base_backbone_class: type[nn.Module]) -> type[MoEBackboneMixin]:
+    """The `MoEBackboneMixin` subclass over a base model's backbone class (e.g. `MoELlamaModel`)."""
+    if base_backbone_class not in _BACKBONE_CLASSES:
+        name = f"MoE{base_backbone_class.__name__}"
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"`{base_backbone_class.__name__}` with MoE blocks (see `MoEBackboneMixin`).",
+            "forward": _wrap_forward(base_backbone_class.forward, "_moe_backbone_forward"),
+        }
+        cls = type(name, (MoEBackboneMixin, base_backbone_class), namespace)
+        _BACKBONE_CLASSES[base_backbone_class] = cls
+        setattr(sys.modules[__name__], name, cls)
+    return _BACKBONE_CLASSES[base_backbone_class]
+
+
 def register_model_class(config_class: type[MoEConfig]) -> None:
     """Make the model class of a new specialised config class, if transformers has a causal LM for its base."""
-    base = config_class.base_config_class
-    if base in MODEL_FOR_CAUSAL_LM_MAPPING:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[base]
-        moe_model_class(model_class[0] if isinstance(model_class, (list, tuple)) else model_class)
+    if config_class.base_config_class in MODEL_FOR_CAUSAL_LM_MAPPING:
+        moe_model_class_for_config_class(config_class)
 
 
-def _wrap_forward(base_forward):
-    """The base forward plus the MoE outputs, with the base forward's signature (Trainer and generate read it)."""
+def _wrap_forward(base_forward, method: str):
+    """A forward that calls `self.<method>(base_forward, **kwargs)`, with the base forward's signature (Trainer,
+    generate and PEFT read it). Positional arguments are passed on by name."""
     signature = inspect.signature(base_forward)
-    var_kwargs = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
-        if args:
-            bound = signature.bind_partial(self, *args, **kwargs).arguments
-            bound.pop(next(iter(signature.parameters)))  # self
-            kwargs = {**bound.pop(var_kwargs, {}), **bound} if var_kwargs else dict(bound)
-        return self._moe_forward(base_forward, **kwargs)
+        if len(args) > len(names) - 1:
+            raise TypeError(f"{type(self).__name__}.forward takes at most {len(names) - 1} positional arguments.")
+        for name, value in zip(names[1:], args):  # names[0] is self
+            if name in kwargs:
+                raise TypeError(f"{type(self).__name__}.forward got multiple values for argument {name!r}.")
+            kwargs[name] = value
+        return getattr(self, method)(base_forward, **kwargs)
 
     return forward
 
 
 def __getattr__(name: str):
-    # Lets pickle find a specialised class in a fresh process: `MoELlamaForCausalLM`.
+    # Lets pickle find a specialised class in a fresh process: `MoELlamaForCausalLM`, `MoELlamaModel`.
     if name.startswith("MoE"):
         for model_class in MODEL_FOR_CAUSAL_LM_MAPPING.values():
             if isinstance(model_class, type) and model_class.__name__ == name[3:]:
                 return moe_model_class(model_class)
+        base = getattr(transformers, name[3:], None)
+        if isinstance(base, type) and issubclass(base, PreTrainedModel):
+            return moe_backbone_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
@@ -77,18 +78,23 @@ def convert_to_moe(
     top_k: int,
     method: str = "upcycle",
     layers: list[int] | None = None,
+    *,
+    inplace: bool = False,
     **options,
 ) -> MoEForCausalLM:
     """Turn a dense causal LM into an `MoEForCausalLM`.
 
     Args:
-        model_or_path: a loaded `...ForCausalLM`, converted in place (as FastMoE's `fmoefy` and PEFT do), or a
-            local directory / Hub id to load it from.
+        model_or_path: a loaded `...ForCausalLM`, or a local directory / Hub id to load it from. A loaded model is
+            left as it was (the MoE model is built on a copy of it) unless `inplace=True`.
         num_experts: experts per MoE layer.
         top_k: experts per token (`num_experts_per_tok`).
         method: "upcycle" (every expert a copy of the dense MLP, see `upcycle.py`) or "split" (the MLP's neurons
             partitioned into experts, see `split.py`).
         layers: decoder layers to convert (negative indices count from the end); default all. See `every`.
+        inplace: convert the loaded model passed in itself, as FastMoE's `fmoefy` and PEFT's `get_peft_model` do:
+            it becomes the MoE model (its attention, embeddings and norms are shared, not copied), which saves
+            memory for a large model. Default False: the model passed in is not changed.
         **options (see `OPTIONS`):
             every, seed, dtype, verify;
             upcycle: noise, reinit_fraction (Drop-Upcycling);
@@ -107,7 +113,7 @@ def convert_to_moe(
     difference measured on a random probe is stored in `config.moe_conversion`.
     """
     opts = resolve_options(num_experts, top_k, method, layers, options)
-    model, source = _load_dense(model_or_path, _dtype(opts["dtype"]))
+    model, source = _load_dense(model_or_path, _dtype(opts["dtype"]), inplace)
     was_training = model.training
     layers_path, decoder_layers = find_decoder_layers(model)
     moe_layers = _select_layers(layers, opts["every"], len(decoder_layers))
@@ -354,8 +360,9 @@ def _check_model_type(config: PreTrainedConfig, what: str) -> None:
         raise ValueError(f"{what} (`{name}`) has no causal-LM class in transformers; hf_moe converts causal LMs.")
 
 
-def _load_dense(model_or_path, dtype) -> tuple[PreTrainedModel, str]:
-    """The dense causal LM, and a name for it (its path or Hub id)."""
+def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, str]:
+    """The dense causal LM to convert (a copy of a loaded one unless `inplace`), and a name for it (its path or Hub
+    id)."""
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
         _check_model_type(model.config, type(model).__name__)
@@ -365,6 +372,8 @@ def _load_dense(model_or_path, dtype) -> tuple[PreTrainedModel, str]:
                 f"Pass the causal LM ({getattr(causal_lm, '__name__', causal_lm)}), not {type(model).__name__}: "
                 "hf_moe returns a model with its LM head."
             )
+        if not inplace:
+            model = copy.deepcopy(model)
         if dtype is not None:
             model.to(dtype)
         return model, model.config.name_or_path or type(model).__name__

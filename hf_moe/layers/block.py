@@ -40,8 +40,9 @@ class SparseMoeBlock(nn.Module):
 
     Submodules are named as in transformers' MoE models: `gate` (the router, see `router.py`), `experts`, and
     `shared_experts` when `num_shared_experts` > 0 (their output is added to the routed experts').
-    The router's decision is not returned; the model collects it with a forward hook on `gate` when it needs it
-    (losses, statistics, `output_router_logits`).
+    The router's decision is not returned (the block is a drop-in for an MLP): the block hands it to
+    `router_recorder`, the model's `hf_moe.routing.RouterRecorder`, which keeps it while the model records (for
+    the losses, the statistics and `output_router_logits`). A block outside a model has none and records nothing.
 
     Forward:
         hidden_states [..., H] -> [..., H]
@@ -54,11 +55,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
         self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.moe_output_bias else None
         self.dropout = nn.Dropout(config.moe_output_dropout) if config.moe_output_dropout else None
+        self.router_recorder = None  # set by the model that installs the block (a plain attribute, not a module)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])  # [N, H]
         routing = self.gate(flat)
+        if self.router_recorder is not None:
+            self.router_recorder.record(routing)
         if routing.is_expert_choice:
             out = self.experts.expert_choice(flat, routing.expert_index, routing.expert_weights)
         else:

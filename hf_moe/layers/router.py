@@ -22,7 +22,7 @@ Register your own with `@register_router("name")` on a `Router` subclass; the bu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -57,9 +57,11 @@ def build_router(config) -> Router:
     return ROUTERS[name](config)
 
 
-@dataclass
-class RouterOutput:
+class RouterOutput(NamedTuple):
     """What a router decided for N tokens over E experts.
+
+    A named tuple, so that every tool that walks a module's output (ZeRO-3's and FSDP's hooks, torch.compile,
+    transformers' output recording) sees its tensors; `router_logits` comes first, as in transformers' routers.
 
     router_logits [N, E] fp32 raw scores (before noise or bias): the z-loss and `output_router_logits`.
     router_probs  [N, E] fp32 routing distribution, rows summing to one: the balancing loss and the entropy.
@@ -170,14 +172,14 @@ class Router(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
         """hidden_states [N, H] -> RouterOutput."""
         out = self.route(hidden_states)
-        if not out.is_expert_choice:
-            capacity = self.capacity(hidden_states.shape[0])
-            if capacity is not None:
-                out.kept = capacity_kept(out.top_k_index, self.num_experts, capacity)
-            if self.unit_weights:
-                out.top_k_weights = unit_weights(out.top_k_weights)
-            out.top_k_weights = out.top_k_weights.to(hidden_states.dtype)
-        return out
+        if out.is_expert_choice:
+            return out
+        kept = None
+        capacity = self.capacity(hidden_states.shape[0])
+        if capacity is not None:
+            kept = capacity_kept(out.top_k_index, self.num_experts, capacity)
+        weights = unit_weights(out.top_k_weights) if self.unit_weights else out.top_k_weights
+        return out._replace(top_k_weights=weights.to(hidden_states.dtype), kept=kept)
 
     def _top_k(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         weights, index = probs.topk(k, dim=-1)

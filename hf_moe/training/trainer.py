@@ -11,7 +11,7 @@ state of the other ranks; `MoETrainer`:
   * resumes the model weights with each rank reading only its own experts.
 
 Gradient clipping uses the global norm over ranks (hf_moe.parallel.clip, through Accelerate) for both trainers;
-the plain Trainer refuses an expert-parallel model up front (hf_moe.training.trainer_compat).
+a plain Trainer trains them but does not save the other ranks' experts (see issue 11 for the refusal).
 """
 
 from __future__ import annotations
