@@ -235,3 +235,18 @@ def test_convert_to_moe_leaves_its_input_alone_unless_inplace():
 def test_public_api_is_importable():
     for name in hf_moe.__all__:
         assert getattr(hf_moe, name) is not None
+
+
+def test_first_use_compile_says_what_it_does_and_how_long_it_took(capsys):
+    """The first-use compile ran inside the streaming converter's progress bar, whose ETA it skewed (1:22:48 for a
+    one-minute build). It now runs before the bars, says what it compiles, and reports elapsed time, not an ETA."""
+    from hf_moe.ops.extension import _elapsed
+
+    with _elapsed("hf_moe: compiling the C++ extension (4 files)"):
+        pass
+    err = capsys.readouterr().err
+    assert "compiling the C++ extension (4 files)" in err and "done in 0 s" in err
+    assert "ETA" not in err and "it/s" not in err
+    with _elapsed("nothing to build", enabled=False):
+        pass
+    assert capsys.readouterr().err == ""

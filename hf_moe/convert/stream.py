@@ -40,6 +40,7 @@ from ..checkpoint import (
     split_experts,
 )
 from ..modeling import MoEForCausalLM
+from ..ops.extension import load_extension
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .api import (
     _check_model_type,
@@ -145,6 +146,8 @@ def convert_checkpoint(
     target = Path(out).absolute()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"Cannot write the MoE checkpoint to {target}: it is a file, not a directory.")
+    if opts["verify"]:
+        load_extension()  # a first-use compile happens here, not inside the progress bar (whose ETA it would skew)
     staging = _new_staging(target)
     total = sum(math.prod(s) * d.itemsize for d, s in layout.values())
     writer = _ShardWriter(staging, shards, layout)

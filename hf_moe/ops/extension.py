@@ -12,6 +12,7 @@ CUDA kernels are compiled when torch has CUDA, a GPU is visible and nvcc is foun
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -20,6 +21,8 @@ import logging
 import os
 import shutil
 import sys
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,20 +81,48 @@ def build(verbose: bool = False):
     digest = source_hash(with_cuda)
     build_dir = _cache_dir() / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not (build_dir / f"hf_moe_ext_{digest}.so").exists():
-        logger.warning("hf_moe: compiling the C++%s extension (once; about a minute). "
-                       "HF_MOE_BACKEND=torch skips it.", "/CUDA" if with_cuda else "")
-    module = load(
-        name=f"hf_moe_ext_{digest}",
-        sources=sources,
-        build_directory=str(build_dir),
-        extra_cflags=CXX_FLAGS + (["-DHF_MOE_WITH_CUDA"] if with_cuda else []),
-        extra_cuda_cflags=NVCC_FLAGS,
-        extra_ldflags=["-fopenmp"],
-        with_cuda=with_cuda,
-        verbose=verbose,
-    )
+    what = f"the C++{'/CUDA' if with_cuda else ''} extension ({len(sources)} files)"
+    fresh = not (build_dir / f"hf_moe_ext_{digest}.so").exists()
+    with _elapsed(f"hf_moe: compiling {what}, once for this torch; HF_MOE_BACKEND=torch skips it", enabled=fresh):
+        module = load(
+            name=f"hf_moe_ext_{digest}",
+            sources=sources,
+            build_directory=str(build_dir),
+            extra_cflags=CXX_FLAGS + (["-DHF_MOE_WITH_CUDA"] if with_cuda else []),
+            extra_cuda_cflags=NVCC_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            with_cuda=with_cuda,
+            verbose=verbose,
+        )
     return module, f"built in {build_dir}"
+
+
+@contextlib.contextmanager
+def _elapsed(message: str, enabled: bool = True):
+    """Say what is being done and, on a terminal, how long it has taken so far (a compile has no honest ETA: ninja
+    does not say how far it is); then how long it took."""
+    if not enabled:
+        yield
+        return
+    start = time.monotonic()
+    live = sys.stderr.isatty()
+    print(f"{message} ...", file=sys.stderr, end="" if live else "\n", flush=True)
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(1.0):
+            print(f"\r{message} ... {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True) if live else None
+    if ticker is not None:
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker is not None:
+            ticker.join()
+        print(f"\r{message}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _prebuilt():
