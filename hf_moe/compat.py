@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
 
-# The releases CI tests, oldest and newest (pyproject.toml admits exactly this range).
-TESTED = {"transformers": ("5.17.0", "5.23.0"), "torch": ("2.13.0", "2.13.0")}
+# The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends).
+TESTED = {
+    "transformers": ("5.17.0", "5.23.0"),
+    "torch": ("2.13.0", "2.13.0"),
+    "accelerate": ("1.15.0", "1.15.0"),
+    "safetensors": ("0.8.0", "0.8.0"),
+}
 
 # --------------------------------------------------------------------------------------------------------------
 # transformers: the Auto mappings (module-level objects of `transformers.models.auto`, not exported at the top)
@@ -54,7 +59,10 @@ def register_output_recording(model) -> None:
     construction; hf_moe gives the built backbone an MoE subclass (`MoELlamaModel`), which must be found too."""
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    if type(_CAN_RECORD_REGISTRY) is dict:  # 5.17: a plain dict keyed by str(class)
+        _CAN_RECORD_REGISTRY[str(model.__class__)] = model._can_record_outputs
+    else:  # 5.23: a registry whose keys are models (it takes the class name itself)
+        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 def attn_implementation(config) -> str | None:

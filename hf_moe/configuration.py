@@ -74,6 +74,9 @@ class MoEConfig(PreTrainedConfig):
     model_type = "hf_moe"
     # The base config class; set on the specialised subclasses only.
     base_config_class: ClassVar[type[PreTrainedConfig] | None] = None
+    # An MoE config needs its base type and an expert size: transformers must not build one without arguments to
+    # find the defaults (5.17 does so when saving a config, and the build fails validation).
+    has_no_defaults_at_init: ClassVar[bool] = True
 
     num_experts: int = 8
     num_experts_per_tok: int = 2
