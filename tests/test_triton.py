@@ -95,8 +95,8 @@ def _launch_table(request):
         reporter.write_line("\n" + _table(counts))
 
 
-def _table(counts: dict[str, int]) -> str:
-    lines = [f"Triton kernel launches ({'interpreter' if INTERPRETING else DEVICE}):"]
+def _table(counts: dict[str, int], where: str = "interpreter" if INTERPRETING else DEVICE) -> str:
+    lines = [f"Triton kernel launches ({where}):"]
     lines += [f"  {name:<34} {n:>6}" for name, n in sorted(counts.items())]
     lines.append(f"  {'all ' + str(len(counts)) + ' kernels':<34} {sum(counts.values()):>6}")
     return "\n".join(lines)
@@ -118,7 +118,8 @@ def test_kernels_under_the_interpreter(tmp_path, capsys):
     assert not missing, f"kernels no test launched: {sorted(missing)}"
     summary = [line for line in result.stdout.splitlines() if " passed" in line]
     with capsys.disabled():
-        print(f"\n{_table(counts)}\n  (subprocess, TRITON_INTERPRET=1: {summary[-1].strip('= ') if summary else ''})")
+        print(f"\n{_table(counts, 'interpreter')}\n  (subprocess, TRITON_INTERPRET=1: "
+              f"{summary[-1].strip('= ') if summary else ''})")
 
 
 @pytest.mark.slow
