@@ -8,8 +8,10 @@ Activations (the compiled CPU set): silu, gelu (erf), gelu_tanh, relu, relu2. Va
 for fp64) and rounded once to the tensor's dtype. tanh is written with exp (no tanh in `tl.math`, and the
 interpreter has no libdevice): tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|), which does not overflow.
 
-Block sizes (sm90): [16, 256] tiles, 4 warps: 32 values per thread per operand. The backward walks a row block
-across all its columns, because the routing weight's gradient is a sum over the row.
+Block sizes (sm90): [16, 128] tiles, 4 warps: 16 values per thread per operand. These kernels are memory bound,
+so what matters is occupancy: ptxas gives the backward 80-117 registers per thread (it was 160-200 with [16, 256]
+tiles), which leaves room for 4 blocks of 128 threads per SM. The backward walks a row block across all its
+columns, because the routing weight's gradient is a sum over the row.
 """
 
 from __future__ import annotations
