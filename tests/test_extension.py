@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_moe.ops import backend_report, load_extension
 from hf_moe.ops.extension import CPU_SOURCES, CSRC, source_hash

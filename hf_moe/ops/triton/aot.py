@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import triton
 import triton.language as tl
