@@ -126,7 +126,7 @@ def compile_all(arch: int = 90, only: str = ""):
         signature, constexprs, attrs = _signature(kernel, args)
         start = time.perf_counter()
         compiled = triton.compile(TritonASTSource(kernel, signature, constexprs, attrs), target=target,
-                                  options=dict(num_warps=warps, num_stages=stages))
+                                  options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True))
         seconds = time.perf_counter() - start
         res = _resources(compiled.asm["cubin"])
         yield label, seconds, res.get("REG", 0), res.get("LOCAL", 0), compiled.metadata.shared, \
