@@ -1,8 +1,11 @@
 """Speed of one MoE layer, against transformers' own MoE block and a dense MLP with the same active FLOPs.
 
-    python benchmarks/moe_layer.py [--repeats 7] [--dtype float32] [--shapes all]
+    python benchmarks/moe_layer.py [--repeats 7] [--dtype float32] [--shapes all]             # CPU tables
+    python benchmarks/moe_layer.py --device cuda --dtype bfloat16                             # GPU table
+    python benchmarks/moe_layer.py --device cpu --interpret --tiny                            # GPU table's code,
+                                                                                              # tiny, interpreted
 
-For each shape, in one run and interleaved (so load on a shared machine hits every contestant alike):
+CPU tables. For each shape, in one run and interleaved (so load on a shared machine hits every contestant alike):
   * hf_moe       our `SparseMoeBlock` (router + fused experts + sort/grouped-GEMM dispatch), compiled ops
   * hf_moe torch the same block on the pure-torch ops
   * hf eager     transformers' `Qwen3MoeSparseMoeBlock`, experts_implementation="eager" (loop over hit experts)
@@ -15,9 +18,24 @@ Printed: median milliseconds for forward and forward+backward, and dense_time / 
 better, 1.0 = as fast as the dense MLP). Ratios are what to read; absolute times on a shared machine are noise.
 "saved MB" is what each keeps for backward (activations, not parameters), and its ratio to the dense MLP's.
 A second table times inference only (torch.inference_mode) on decode-like batches of 1 to 16 tokens.
+
+GPU table (`--device cuda`, or `--tiny`): 16,384 tokens through a Mixtral-like layer (H 4096, I 14336, E 8, k 2)
+and a Qwen3-30B-A3B-like one (H 2048, I 768, E 128, k 8): hf_moe on its Triton backend (torch's grouped_mm for the
+GEMMs where that is the fast path), hf_moe on the pure-torch ops, transformers' block with grouped_mm, and the
+dense chain. Median and spread (20th-80th percentile) of the repeats, ratios against dense and against
+transformers' grouped_mm, and the share of hf_moe's time outside its expert GEMMs (1 - time of the same GEMMs,
+replayed alone on the same routing, / time of the layer). `--tiny` shrinks the shapes so that the same code runs
+end to end on CPU under Triton's interpreter (`--interpret` sets TRITON_INTERPRET=1 before triton is imported);
+its times mean nothing.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton: kernels are bound at definition
 
 import argparse
 import statistics
@@ -41,38 +59,42 @@ SHAPES = [
 ]
 
 
-def build(num_experts, top_k, inter, dtype):
-    base = LlamaConfig(hidden_size=HIDDEN, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=8)
+def build(num_experts, top_k, inter, dtype, hidden=HIDDEN, device="cpu", eager=True, backend=None):
+    """{name: module}: hf_moe (on `backend`), hf_moe torch, transformers' block (eager, grouped_mm), dense."""
+    base = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=8)
     config = MoEConfig.from_base(base, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter)
-    ours = SparseMoeBlock(config).to(dtype)
+    ours = SparseMoeBlock(config).to(device=device, dtype=dtype)
 
     theirs = {}
-    for impl in ("eager", "grouped_mm"):
-        qc = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=inter, num_experts=num_experts,
+    for impl in ("eager", "grouped_mm") if eager else ("grouped_mm",):
+        qc = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=num_experts,
                             num_experts_per_tok=top_k, norm_topk_prob=True, num_hidden_layers=1)
         qc._experts_implementation = impl
-        block = Qwen3MoeSparseMoeBlock(qc).to(dtype)
+        block = Qwen3MoeSparseMoeBlock(qc).to(device=device, dtype=dtype)
         with torch.no_grad():  # identical weights, so identical routing and identical work
             block.gate.weight.copy_(ours.gate.weight)
             block.experts.gate_up_proj.copy_(ours.experts.gate_up_proj)
             block.experts.down_proj.copy_(ours.experts.down_proj)
         theirs[impl] = block
 
-    dense = LlamaMLP(LlamaConfig(hidden_size=HIDDEN, intermediate_size=top_k * inter, mlp_bias=False)).to(dtype)
-    return {
-        "hf_moe": ours, "hf_moe torch": _Backend(ours, "torch"), "hf eager": theirs["eager"],
-        "hf grouped": theirs["grouped_mm"], "dense": dense,
-    }
+    dense = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=top_k * inter, mlp_bias=False))
+    dense = dense.to(device=device, dtype=dtype)
+    modules = {"hf_moe": _Backend(ours, backend), "hf_moe torch": _Backend(ours, "torch")}
+    if eager:
+        modules["hf eager"] = theirs["eager"]
+    return {**modules, "hf grouped": theirs["grouped_mm"], "dense": dense}
 
 
 class _Backend(torch.nn.Module):
-    """`module` run with the ops of one backend."""
+    """`module` run with the ops of one backend (None: whatever HF_MOE_BACKEND selects)."""
 
     def __init__(self, module, backend):
         super().__init__()
         self.module, self.backend = module, backend
 
     def forward(self, x):
+        if self.backend is None:
+            return self.module(x)
         with use_backend(self.backend):
             return self.module(x)
 
@@ -128,14 +150,129 @@ def measure_inference(modules, x, repeats):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# The GPU table: (name, hidden H, experts E, top-k, expert intermediate I), 16,384 tokens.
+GPU_TOKENS = 16384
+GPU_SHAPES = [("Mixtral-like", 4096, 8, 2, 14336), ("Qwen3-30B-A3B-like", 2048, 128, 8, 768)]
+# --tiny: the same layers shrunk (k kept; E 16 instead of 128) so the code runs under Triton's interpreter in about
+# a minute.
+TINY_TOKENS = 8
+TINY_SHAPES = [("Mixtral-like tiny", 32, 8, 2, 24), ("Qwen3-30B-A3B-like tiny", 32, 16, 8, 8)]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeats):
+    """Milliseconds of `fn()` per repeat (after one warm-up), synchronising the device around each."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _median_spread(times):
+    """(median, 20th percentile, 80th percentile), interpolated between the measured times."""
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
+    return statistics.median(times), q[0], q[-1]
+
+
+def _expert_gemms(block, x, backward):
+    """A function replaying the expert GEMMs of `block`'s forward (and backward) on `x`'s routing, alone: the same
+    calls, shapes, gathers and group sizes as the Triton backend's `FusedExperts`, and nothing else."""
+    ops = torch.ops.hf_moe_triton
+    experts = block.experts
+    flat = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        routing = block.gate(flat)
+        index, weights = routing.dispatch_index(), routing.top_k_weights.to(flat.dtype)
+        top_k, w1, w2 = index.shape[-1], experts.gate_up_proj, experts.down_proj
+        slots, _, counts = ops.sort_by_expert(index, w1.shape[0])
+        row_weight = weights.reshape(-1).index_select(0, slots)
+        h = ops.grouped_mm(flat, w1, counts, None, None, True, slots, top_k)
+        a = ops.expert_act(h, row_weight, "silu", True)
+        grad_out = torch.randn_like(flat)
+
+    def run():
+        with torch.no_grad():
+            ops.grouped_mm(flat, w1, counts, None, None, True, slots, top_k)
+            ops.grouped_mm(a, w2, counts, None, None, True)
+            if backward:
+                ops.grouped_mm(grad_out, w2, counts, None, None, False, slots, top_k)
+                ops.grouped_mm_weight_grad(grad_out, a, counts, slots, top_k, "grad_out")
+                ops.grouped_mm_weight_grad(h, flat, counts, slots, top_k, "x")  # h stands in for grad_h (same shape)
+                ops.grouped_mm(h, w1, counts, None, None, False)
+
+    return run
+
+
+def gpu_table(args, device, dtype):
+    tiny = args.tiny
+    shapes, tokens = (TINY_SHAPES, TINY_TOKENS) if tiny else (GPU_SHAPES, GPU_TOKENS)
+    backend = "triton" if device.type == "cpu" else None  # CPU tensors reach the Triton kernels only when forced
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
+    print(f"{name}, torch {torch.__version__}, {args.dtype}, {tokens} tokens, median of {args.repeats} "
+          f"(20th-80th percentile){'; --tiny: times mean nothing' if tiny else ''}")
+    header = (f"{'shape':<24} {'impl':<13} {'fwd ms':>8} {'spread':>13} {'vs dense':>8} {'vs hf gr':>8} "
+              f"{'fwd+bwd ms':>10} {'spread':>13} {'vs dense':>8} {'vs hf gr':>8}")
+    for label, hidden, num_experts, top_k, inter in shapes:
+        torch.manual_seed(0)
+        modules = build(num_experts, top_k, inter, dtype, hidden=hidden, device=device, eager=False, backend=backend)
+        x = torch.randn(1, tokens, hidden, dtype=dtype, device=device)
+        grad = torch.randn_like(x)
+        with torch.no_grad():
+            diff = (_forward(modules["hf_moe"], x) - _forward(modules["hf grouped"], x)).abs().max().item()
+
+        def fwd(module):
+            with torch.no_grad():
+                _forward(module, x)
+
+        def fwd_bwd(module):
+            _forward(module, x.detach().requires_grad_(True)).backward(grad)
+            module.zero_grad(set_to_none=True)
+
+        results = {impl: (_median_spread(_timed(lambda m=m: fwd(m), device, args.repeats)),
+                          _median_spread(_timed(lambda m=m: fwd_bwd(m), device, args.repeats)))
+                   for impl, m in modules.items()}
+        block = modules["hf_moe"].module
+        with use_backend("triton"):
+            gemm_f = statistics.median(_timed(_expert_gemms(block, x, False), device, args.repeats))
+            gemm_fb = statistics.median(_timed(_expert_gemms(block, x, True), device, args.repeats))
+        (dense_f, _, _), (dense_fb, _, _) = results["dense"]
+        (hf_f, _, _), (hf_fb, _, _) = results["hf grouped"]
+        print(f"\n{header}\n{'-' * len(header)}")
+        for impl, ((f, f20, f80), (fb, fb20, fb80)) in results.items():
+            print(f"{label:<24} {impl:<13} {f:>8.3f} {f20:>6.3f}-{f80:<6.3f} {dense_f / f:>8.2f} {hf_f / f:>8.2f} "
+                  f"{fb:>10.3f} {fb20:>6.3f}-{fb80:<6.3f} {dense_fb / fb:>8.2f} {hf_fb / fb:>8.2f}")
+        (ours_f, _, _), (ours_fb, _, _) = results["hf_moe"]
+        print(f"hf_moe time outside its expert GEMMs: forward {max(0.0, 1 - gemm_f / ours_f):.0%}, "
+              f"forward+backward {max(0.0, 1 - gemm_fb / ours_fb):.0%} (GEMMs alone: {gemm_f:.3f} / {gemm_fb:.3f} "
+              f"ms); max |output difference| hf_moe vs transformers: {diff:.1e}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES, or 'all', or 'none'")
     parser.add_argument("--no-decode", dest="decode", action="store_false", help="skip the inference table")
+    parser.add_argument("--tiny", action="store_true", help="the GPU table's shapes shrunk, to run it anywhere")
+    parser.add_argument("--interpret", action="store_true", help="TRITON_INTERPRET=1: Triton kernels on CPU tensors")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    if device.type == "cuda" or args.tiny:
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--tiny on CPU runs the Triton kernels under their interpreter: add --interpret")
+        gpu_table(args, device, dtype)
+        return
     named = {"all": SHAPES, "none": []}
     shapes = named[args.shapes] if args.shapes in named else [SHAPES[int(i)] for i in args.shapes.split(",")]
     torch.manual_seed(0)

@@ -1,1 +1,1 @@
-"""C++/CUDA sources of the compiled ops (installed as hf_moe.csrc, built by hf_moe/ops/extension.py)."""
+"""C++ (CPU) sources of the compiled ops (installed as hf_moe.csrc, built by hf_moe/ops/extension.py)."""

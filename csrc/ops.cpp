@@ -1,5 +1,5 @@
 // Schemas of the hf_moe ops (torch.library), shared helpers, and the Python module (pybind11).
-// Kernels: cpu/*.cpp register the CPU implementations, cuda/*.cu the CUDA ones.
+// Kernels: cpu/*.cpp register the CPU implementations. CUDA tensors run the Triton kernels (hf_moe/ops/triton/).
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -56,11 +56,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "hf_moe compiled dispatch and expert kernels (ops live in torch.ops.hf_moe)";
   module.def("build_info", [] {
     pybind11::dict info;
-#ifdef HF_MOE_WITH_CUDA
-    info["cuda"] = true;
-#else
-    info["cuda"] = false;
-#endif
 #ifdef _OPENMP
     info["openmp"] = true;
 #else

@@ -87,6 +87,36 @@ def trainer_file_names() -> tuple[str, str]:
 # MoEForCausalLM overrides the private classmethod PreTrainedModel._from_config(config, **kwargs), which
 # AutoModelForCausalLM.from_config calls.
 
+# --------------------------------------------------------------------------------------------------------------
+# triton (optional, imported on use): compiling kernels for a GPU target without a GPU (hf_moe/ops/triton/aot.py)
+# --------------------------------------------------------------------------------------------------------------
+def TritonASTSource(kernel, signature, constexprs, attrs):  # noqa: N802
+    """triton.compiler.ASTSource: a kernel plus its specialisation, the input of `triton.compile` (internal)."""
+    from triton.compiler import ASTSource
+
+    return ASTSource(kernel, signature, constexprs, attrs)
+
+
+def TritonGPUTarget(backend: str, arch: int, warp_size: int):  # noqa: N802
+    """triton.backends.compiler.GPUTarget: the target `triton.compile` builds for when no GPU says (internal)."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(backend, arch, warp_size)
+
+
+def triton_kernel_params(kernel) -> list[tuple[str, bool]]:
+    """(name, is_constexpr) of a `@triton.jit` function's parameters (`JITFunction.params`, internal)."""
+    return [(p.name, bool(p.is_constexpr)) for p in kernel.params]
+
+
+def triton_cuobjdump() -> str:
+    """The cuobjdump that triton's NVIDIA backend bundles beside its ptxas (its package layout, internal)."""
+    import triton.backends.nvidia as nvidia
+    from pathlib import Path
+
+    return str(Path(nvidia.__file__).parent / "bin" / "cuobjdump")
+
+
 __all__ = [
     "ALL_EXPERTS_FUNCTIONS",
     "CONFIG_MAPPING",
@@ -96,6 +126,8 @@ __all__ = [
     "MergeModulelist",
     "TESTED",
     "TRANSFORMERS_VERSION",
+    "TritonASTSource",
+    "TritonGPUTarget",
     "WeightConverter",
     "attn_implementation",
     "convert_file_size_to_int",
@@ -106,4 +138,6 @@ __all__ = [
     "register_checkpoint_conversion_mapping",
     "remove_tied_weights_from_state_dict",
     "trainer_file_names",
+    "triton_cuobjdump",
+    "triton_kernel_params",
 ]

@@ -18,6 +18,18 @@ def _tool_version(cmd: list[str], line: int = -1) -> str:
     return lines[line].strip() if lines else "unknown"
 
 
+def _triton() -> str:
+    """triton's version, and whether its kernels run on this machine's CUDA device and on CPU tensors, and why."""
+    from hf_moe.ops import triton as triton_ops
+
+    if triton_ops.version() is None:
+        return "not installed (pip install triton; CUDA builds of torch bring it)"
+    cuda, why_cuda = triton_ops.status("cuda")
+    cpu, why_cpu = triton_ops.status("cpu")
+    return (f"{triton_ops.version()}; on CUDA: {'runs' if cuda else 'does not run'} ({why_cuda}); "
+            f"on CPU: {'interpreted' if cpu else 'no'} ({why_cpu})")
+
+
 def report() -> str:
     import torch
     import transformers
@@ -32,7 +44,7 @@ def report() -> str:
         f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, threads: {torch.get_num_threads()})",
         f"transformers  {transformers.__version__}",
         f"GPU           {torch.cuda.get_device_name(0) if cuda else 'none'}",
-        f"nvcc          {_tool_version(['nvcc', '--version'])}",
+        f"triton        {_triton()}",
         f"c++           {_tool_version(['c++', '--version'], line=0)}",
         "",
         f"{'op':<24} {'implementation':<55} why",

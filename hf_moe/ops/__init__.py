@@ -1,12 +1,16 @@
-"""Dispatch ops, their two implementations, and the expert computation built from them.
+"""Dispatch ops, their implementations, and the expert computation built from them.
 
 `experts_forward(experts, hidden_states, top_k_index, top_k_weights)` is the one entry point of the MoE block
 (and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs `ExpertsFunction` (experts.py) over
-one of two implementations of the ops:
+one of three implementations of the ops:
 
-  * compiled: `torch.ops.hf_moe.*` from csrc/ (C++ with OpenMP on CPU, CUDA kernels on GPU), built on first use;
-  * torch:    `reference.py`, always available, and the oracle the compiled kernels are tested against.
+  * compiled: `torch.ops.hf_moe.*` from csrc/ (C++ with OpenMP, CPU), built on first use;
+  * triton:   `torch.ops.hf_moe_triton.*` from triton/ (GPU; CPU tensors under TRITON_INTERPRET=1), with torch's
+              grouped_mm for the GEMMs where it is the fast path (bf16 on sm90/sm100);
+  * torch:    `reference.py`, always available, and the oracle the others are tested against.
 
+`HF_MOE_BACKEND` (extension.py): auto (default) runs compiled on CPU and triton on CUDA, falling back to torch
+with one warning; compiled makes that fallback an error; triton and torch force one implementation everywhere.
 `backend_report()` (and `python -m hf_moe.env`) says which one runs and why.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 
@@ -50,14 +55,13 @@ def kernel_activation(name: str) -> str:
     return _KERNEL_NAMES.get(name, name)
 
 
-_loaded: dict[str, object] = {}  # "ops": the compiled DispatchOps or None, "cuda": whether it has CUDA kernels
+_loaded: dict[str, object] = {}  # "ops": the compiled DispatchOps or None
 
 
 @torch.compiler.disable  # loading (maybe building) the extension is never traced
 def _load() -> None:
     module, status = load_extension()
     ops = torch.ops.hf_moe if module is not None else None
-    _loaded["cuda"] = status.cuda
     _loaded["ops"] = None if ops is None else DispatchOps(
         "compiled", ops.sort_by_expert, ops.permute, ops.unpermute, ops.grouped_mm, ops.grouped_mm_weight_grad,
         ops.expert_act, ops.expert_act_backward, ops.moe_experts_forward, ops.moe_experts_backward,
@@ -71,14 +75,15 @@ def _compiled() -> DispatchOps | None:
     return _loaded["ops"]
 
 
+BACKENDS = ("torch", "compiled", "triton")
 _forced: list[str] = []
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the ops of `name` ("torch" or "compiled") inside the block, whatever HF_MOE_BACKEND says."""
-    if name not in ("torch", "compiled"):
-        raise ValueError(f"backend must be 'torch' or 'compiled', got {name!r}")
+    """Run the ops of `name` ("torch", "compiled" or "triton") inside the block, whatever HF_MOE_BACKEND says."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "compiled" and _compiled() is None:
         raise RuntimeError(f"the compiled backend is unavailable: {load_extension()[1].how}")
     _forced.append(name)
@@ -88,12 +93,48 @@ def use_backend(name: str):
         _forced.pop()
 
 
-def _variant(device_type: str, activation: str) -> DispatchOps:
-    compiled = _loaded["ops"]
-    if compiled is None or device_type not in ("cpu", "cuda") or (device_type == "cuda" and not _loaded["cuda"]):
+def _triton_status(device_type: str) -> tuple[bool, str]:
+    from . import triton as triton_ops
+
+    return triton_ops.status(device_type)
+
+
+@torch.compiler.disable  # decided once per device type, outside any trace
+def _choose(device_type: str) -> str:
+    """The backend HF_MOE_BACKEND selects for tensors on `device_type`; warns (auto) or raises (compiled) when the
+    preferred one cannot run."""
+    setting = backend_setting()
+    if setting in ("torch", "triton"):
+        return setting
+    if device_type == "cpu":
+        return "compiled" if _compiled() is not None else "torch"  # load_extension warned or raised
+    if device_type != "cuda":
+        return "torch"
+    usable, why = _triton_status("cuda")
+    if usable:
+        return "triton"
+    if setting == "compiled":
+        raise RuntimeError(f"HF_MOE_BACKEND=compiled, but the Triton kernels cannot run on CUDA: {why}.")
+    warnings.warn(f"hf_moe: the Triton kernels cannot run on CUDA ({why}); running the pure-torch ops instead "
+                  "(correct, slower). See `python -m hf_moe.env`.", RuntimeWarning, stacklevel=3)
+    return "torch"
+
+
+@torch.compiler.disable  # built once per (backend, device, activation), outside any trace
+def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
+    if backend == "torch":
         return REFERENCE
-    if device_type == "cuda":  # the fused one-call path is CPU only; CUDA composes the kernels
-        compiled = dataclasses.replace(compiled, name="compiled (CUDA)", fused_forward=None, fused_backward=None)
+    if backend == "triton":
+        usable, why = _triton_status(device_type)
+        if not usable:
+            raise RuntimeError(f"the Triton backend cannot run on {device_type} tensors: {why}.")
+        from . import triton as triton_ops
+
+        return triton_ops.dispatch_ops(activation)
+    if device_type != "cpu":
+        raise RuntimeError(f"the compiled backend (C++) runs on CPU tensors, not {device_type}; on CUDA use "
+                           "'triton' (the default there) or 'torch'.")
+    compiled = _compiled()
     if activation not in reference.KERNEL_ACTIVATIONS:
         return dataclasses.replace(
             compiled, name=compiled.name + ", activation in torch", expert_act=reference.expert_act,
@@ -104,16 +145,20 @@ def _variant(device_type: str, activation: str) -> DispatchOps:
 
 def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
     """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
-    if _forced and _forced[-1] == "torch":
-        return REFERENCE
-    _compiled()
-    key = (device.type, activation)
-    if key not in _variants:  # a plain dict, not functools.cache: torch.compile traces through it
+    if _forced:
+        backend = _forced[-1]
+    else:
+        if device.type not in _chosen:  # plain dicts, not functools.cache: torch.compile traces through them
+            _chosen[device.type] = _choose(device.type)
+        backend = _chosen[device.type]
+    key = (backend, device.type, activation)
+    if key not in _variants:
         _variants[key] = _variant(*key)
     return _variants[key]
 
 
-_variants: dict[tuple[str, str], DispatchOps] = {}
+_chosen: dict[str, str] = {}
+_variants: dict[tuple[str, str, str], DispatchOps] = {}
 
 
 def _activation_of(experts: torch.nn.Module) -> str:
@@ -156,8 +201,21 @@ def experts_forward(
 
 
 def backend_report() -> dict[str, tuple[str, str]]:
-    """{op: (implementation, why)} for this process."""
+    """{op: (implementation, why)} for this process: the ops on CPU, then the experts on CUDA and Triton."""
     setting = backend_setting()
+    ops = ["sort_by_expert", "permute", "grouped_mm", "grouped_mm_weight_grad", "expert_act", "unpermute"]
+    if setting == "triton":
+        usable, why = _triton_status("cpu")
+        impl = "triton (interpreter)" if usable else "triton: cannot run here, the ops raise"
+        report = {op: (impl, f"HF_MOE_BACKEND=triton; {why}") for op in ops}
+        report["experts (whole layer)"] = ("triton: the ops above, permute fused into the GEMMs", why)
+    else:
+        report = _cpu_report(setting)
+    report.update(_cuda_report(setting))
+    return report
+
+
+def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
     module, status = load_extension()
     ops = ["sort_by_expert", "permute", "grouped_mm", "grouped_mm_weight_grad", "expert_act", "unpermute"]
     if module is None:
@@ -169,8 +227,19 @@ def backend_report() -> dict[str, tuple[str, str]]:
     report["grouped_mm"] = ("compiled C++: one call, a GEMM per expert", why)
     report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
     report["experts (whole layer)"] = ("compiled C++: fused, one call forward, one backward", "CPU")
-    if status.cuda:
-        report["experts on CUDA"] = ("compiled CUDA kernels + torch._grouped_mm (bf16, sm80+)", "no host sync")
-    elif torch.cuda.is_available():
-        report["experts on CUDA"] = ("torch", "the extension was built without CUDA (nvcc not found?)")
+    return report
+
+
+def _cuda_report(setting: str) -> dict[str, tuple[str, str]]:
+    report = {}
+    usable, why = _triton_status("cuda")
+    if setting == "torch":
+        report["experts on CUDA"] = ("torch", "HF_MOE_BACKEND=torch")
+    elif usable:
+        report["experts on CUDA"] = ("triton: every op above, permute fused into the GEMMs", why)
+        report["GEMMs on CUDA"] = ("torch grouped_mm for bf16 on sm90/sm100, else triton",
+                                   "torch's other grouped_mm paths copy the group sizes to the host")
+    else:
+        fallback = "none: an error" if setting in ("compiled", "triton") else "torch"
+        report["experts on CUDA"] = (fallback, f"Triton not selected: {why}")
     return report

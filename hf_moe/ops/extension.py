@@ -1,4 +1,4 @@
-"""Finding or building the compiled extension (csrc/), and saying why it is or is not used.
+"""Finding or building the compiled CPU extension (csrc/), and saying why it is or is not used.
 
 Order of preference:
   1. `hf_moe._C`, built ahead of time by `HF_MOE_BUILD_EXT=1 pip install --no-build-isolation -e .`;
@@ -7,7 +7,7 @@ Order of preference:
   3. nothing: the pure-torch ops run, after one warning that says why.
 
 `HF_MOE_BACKEND=torch` skips 1 and 2; `HF_MOE_BACKEND=compiled` makes a failure an error.
-CUDA kernels are compiled when torch has CUDA, a GPU is visible and nvcc is found; otherwise only the C++ ones.
+The extension is C++ for CPU tensors only; CUDA tensors run the Triton kernels (hf_moe/ops/triton/).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
@@ -36,22 +35,20 @@ _HERE = Path(__file__).resolve()
 CSRC = _HERE.parents[2] / "csrc" if (_HERE.parents[2] / "csrc" / "ops.cpp").is_file() else _HERE.parents[1] / "csrc"
 CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp"]
 HEADERS = ["hf_moe.h", "cpu/activation_cpu.h"]
-CUDA_SOURCES = ["cuda/dispatch_cuda.cu", "cuda/experts_cuda.cu"]
 CXX_FLAGS = ["-O3", "-fopenmp"]
-NVCC_FLAGS = ["-O3", "--use_fast_math", "-DHF_MOE_WITH_CUDA"]
 
 
 @dataclass(frozen=True)
 class ExtensionStatus:
     loaded: bool
-    cuda: bool
     how: str  # "prebuilt hf_moe._C", "built in <dir>", or why not
 
 
 def backend_setting() -> str:
+    """HF_MOE_BACKEND: auto (default), compiled, triton or torch (see hf_moe/ops/__init__.py)."""
     value = os.environ.get("HF_MOE_BACKEND", "auto").lower()
-    if value not in ("auto", "torch", "compiled"):
-        raise ValueError(f"HF_MOE_BACKEND must be auto, torch or compiled, got {value!r}.")
+    if value not in ("auto", "torch", "compiled", "triton"):
+        raise ValueError(f"HF_MOE_BACKEND must be auto, compiled, triton or torch, got {value!r}.")
     return value
 
 
@@ -59,16 +56,11 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HF_MOE_CACHE", Path.home() / ".cache" / "hf_moe")) / "ext"
 
 
-def _want_cuda() -> bool:
-    return torch.version.cuda is not None and torch.cuda.is_available() and shutil.which("nvcc") is not None
-
-
-def source_hash(with_cuda: bool) -> str:
+def source_hash() -> str:
     h = hashlib.sha256()
-    files = [*(CSRC / s for s in HEADERS), *(CSRC / s for s in CPU_SOURCES)] + ([CSRC / s for s in CUDA_SOURCES] if with_cuda else [])
-    for path in files:
+    for path in [*(CSRC / s for s in HEADERS), *(CSRC / s for s in CPU_SOURCES)]:
         h.update(path.read_bytes())
-    h.update(f"{torch.__version__} {sys.version_info[:2]} {with_cuda} {CXX_FLAGS} {NVCC_FLAGS}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {CXX_FLAGS}".encode())
     return h.hexdigest()[:16]
 
 
@@ -76,22 +68,20 @@ def build(verbose: bool = False):
     """Compile csrc/ with ninja into the cache (or reuse a previous build) and import it."""
     from torch.utils.cpp_extension import load
 
-    with_cuda = _want_cuda()
-    sources = [str(CSRC / s) for s in CPU_SOURCES] + ([str(CSRC / s) for s in CUDA_SOURCES] if with_cuda else [])
-    digest = source_hash(with_cuda)
+    sources = [str(CSRC / s) for s in CPU_SOURCES]
+    digest = source_hash()
     build_dir = _cache_dir() / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    what = f"the C++{'/CUDA' if with_cuda else ''} extension ({len(sources)} files)"
     fresh = not (build_dir / f"hf_moe_ext_{digest}.so").exists()
+    what = f"the C++ extension ({len(sources)} files)"
     with _elapsed(f"hf_moe: compiling {what}, once for this torch; HF_MOE_BACKEND=torch skips it", enabled=fresh):
         module = load(
             name=f"hf_moe_ext_{digest}",
             sources=sources,
             build_directory=str(build_dir),
-            extra_cflags=CXX_FLAGS + (["-DHF_MOE_WITH_CUDA"] if with_cuda else []),
-            extra_cuda_cflags=NVCC_FLAGS,
+            extra_cflags=CXX_FLAGS,
             extra_ldflags=["-fopenmp"],
-            with_cuda=with_cuda,
+            with_cuda=False,
             verbose=verbose,
         )
     return module, f"built in {build_dir}"
@@ -134,7 +124,7 @@ def _prebuilt():
     marker = b"hf_moe_source_hash="
     at = data.find(marker)
     stamp = data[at + len(marker) : at + len(marker) + 16].decode(errors="replace") if at >= 0 else ""
-    if stamp not in (source_hash(False), source_hash(True)):
+    if stamp != source_hash():
         logger.warning("hf_moe: the prebuilt hf_moe._C was built from other sources; building the current ones "
                        "on first use. Rebuild it with `HF_MOE_BUILD_EXT=1 pip install --no-build-isolation -e .`.")
         return None
@@ -146,7 +136,7 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
     """The extension module (or None) and how it was found. Warns once when it cannot be used."""
     setting = backend_setting()
     if setting == "torch":
-        return None, ExtensionStatus(False, False, "disabled by HF_MOE_BACKEND=torch")
+        return None, ExtensionStatus(False, "disabled by HF_MOE_BACKEND=torch")
     module = _prebuilt()
     how = "prebuilt hf_moe._C (HF_MOE_BUILD_EXT=1 pip install)"
     if module is None:
@@ -163,9 +153,9 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return None, ExtensionStatus(False, False, f"build failed: {reason}")
+            return None, ExtensionStatus(False, f"build failed: {reason}")
     register_fake_kernels()
-    return module, ExtensionStatus(True, bool(module.build_info()["cuda"]), how)
+    return module, ExtensionStatus(True, how)
 
 
 @functools.cache

@@ -1,0 +1,72 @@
+"""Triton kernels of the dispatch ops: the default on CUDA, and executed on CPU by Triton's interpreter in the tests.
+
+    routing.py       sort_by_expert: per-expert counts and the stable permutation, on the device (3 kernels)
+    permute.py       permute (gather into expert order) and unpermute (weighted combine)
+    activation.py    expert_act and its backward, with the routing weight folded in
+    grouped_gemm.py  grouped GEMM forward / dX and dW over contiguous row groups, with the permute fused in;
+                     torch's grouped_mm where it is the fast path
+    ops.py           the `torch.ops.hf_moe_triton.*` custom ops, their fake kernels, and the fused expert computation
+    runtime.py       where the kernels can run, the launch counts, dtype-dependent constants
+    aot.py           compiles every kernel for sm90 without a GPU (PTX and cubin), for the tests and the notes
+
+Importing this package does not import triton; `status` and `dispatch_ops` do.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from ..experts import DispatchOps
+
+MIN_CAPABILITY = (8, 0)  # bf16 tensor cores (tl.dot on bf16)
+
+
+def version() -> str | None:
+    """The installed triton's version, or None (found without importing it)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def status(device_type: str) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on `device_type` tensors in this process, and why (not)."""
+    found = version()
+    if found is None:
+        return False, "triton is not installed (pip install triton; the CPU wheel of torch does not pull it)"
+    import triton
+
+    interpreting = bool(triton.knobs.runtime.interpret)
+    if device_type == "cpu":
+        if interpreting:
+            return True, "TRITON_INTERPRET=1: Triton's interpreter runs them on the host (slow; for tests)"
+        return False, "CPU tensors need Triton's interpreter: TRITON_INTERPRET=1 before Python starts (for tests)"
+    if device_type != "cuda":
+        return False, f"Triton kernels run on CUDA, not {device_type}"
+    if interpreting:
+        return False, "TRITON_INTERPRET=1 is set, which interprets the kernels on the host; unset it on a GPU"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible"
+    capability = torch.cuda.get_device_capability()
+    if capability < MIN_CAPABILITY:
+        return False, f"the GPU is sm{capability[0]}{capability[1]}; the kernels need sm80 or newer (bf16 tl.dot)"
+    return True, f"triton {found} on sm{capability[0]}{capability[1]}"
+
+
+def dispatch_ops(activation: str) -> DispatchOps:
+    """The Triton implementation of every op, and the fused expert computation, for a kernel activation name
+    (others run their activation in torch)."""
+    from . import ops
+
+    fused = ops.fused_experts(activation)
+    t = torch.ops.hf_moe_triton
+    name = "triton" if activation in ops.ACTIVATIONS else "triton, activation in torch"
+    return DispatchOps(
+        name, t.sort_by_expert, t.permute, t.unpermute, t.grouped_mm, t.grouped_mm_weight_grad, fused.expert_act,
+        fused.expert_act_backward, fused.forward, fused.backward,
+    )

@@ -1,0 +1,177 @@
+"""The Triton ops as `torch.library` custom ops (`torch.ops.hf_moe_triton.*`), with fake kernels, and the expert
+computation built from them.
+
+The schemas are those of the compiled CPU ops (`torch.ops.hf_moe.*`, csrc/ops.cpp) and of `reference.py`;
+`grouped_mm` and `grouped_mm_weight_grad` take an optional `gather_index` that reads the row-major operand in
+token order (the permute fused into the GEMM). As custom ops they are opaque to `torch.compile` (which traces
+around them with the fake kernels) and run inside `ExpertsFunction`, which is their autograd.
+
+`FusedExperts` is the whole forward and backward of `ExpertsFunction` (its `fused_forward` / `fused_backward`),
+composed of these ops with the gathers fused: no [M, H] copy of the tokens or of the output gradient is made.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import reference
+from . import activation as _activation
+from . import grouped_gemm, routing
+from . import permute as _permute
+
+_NS = "hf_moe_triton::"
+
+
+@torch.library.custom_op(_NS + "sort_by_expert", mutates_args=())
+def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    return routing.sort_by_expert(top_k_index, num_experts)
+
+
+@sort_by_expert.register_fake
+def _(top_k_index, num_experts):
+    m = top_k_index.numel()
+    new = top_k_index.new_empty
+    return new(m, dtype=torch.int64), new(m, dtype=torch.int64), new(num_experts, dtype=torch.int64)
+
+
+@torch.library.custom_op(_NS + "permute", mutates_args=())
+def permute(hidden_states: Tensor, sorted_slots: Tensor, top_k: int) -> Tensor:
+    return _permute.permute(hidden_states, sorted_slots, top_k)
+
+
+@permute.register_fake
+def _(hidden_states, sorted_slots, top_k):
+    return hidden_states.new_empty(sorted_slots.shape[0], hidden_states.shape[1])
+
+
+@torch.library.custom_op(_NS + "unpermute", mutates_args=())
+def unpermute(rows: Tensor, slot_to_row: Tensor, top_k_weights: Optional[Tensor], top_k: int) -> Tensor:
+    return _permute.unpermute(rows, slot_to_row, top_k_weights, top_k)
+
+
+@unpermute.register_fake
+def _(rows, slot_to_row, top_k_weights, top_k):
+    return rows.new_empty(slot_to_row.shape[0] // top_k, rows.shape[1])
+
+
+@torch.library.custom_op(_NS + "grouped_mm", mutates_args=())
+def grouped_mm(
+    x: Tensor,
+    weight: Tensor,
+    tokens_per_expert: Tensor,
+    bias: Optional[Tensor],
+    bias_scale: Optional[Tensor],
+    transpose_weight: bool,
+    gather_index: Optional[Tensor] = None,
+    top_k: int = 1,
+) -> Tensor:
+    return grouped_gemm.grouped_mm(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight, gather_index,
+                                   top_k)
+
+
+@grouped_mm.register_fake
+def _(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight, gather_index=None, top_k=1):
+    m = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    return x.new_empty(m, weight.shape[1] if transpose_weight else weight.shape[2])
+
+
+@torch.library.custom_op(_NS + "grouped_mm_weight_grad", mutates_args=())
+def grouped_mm_weight_grad(
+    grad_out: Tensor, x: Tensor, tokens_per_expert: Tensor, gather_index: Optional[Tensor] = None, top_k: int = 1,
+    gather: str = "",
+) -> Tensor:
+    return grouped_gemm.grouped_mm_weight_grad(grad_out, x, tokens_per_expert, gather_index, top_k, gather)
+
+
+@grouped_mm_weight_grad.register_fake
+def _(grad_out, x, tokens_per_expert, gather_index=None, top_k=1, gather=""):
+    return x.new_empty(tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1])
+
+
+@torch.library.custom_op(_NS + "expert_act", mutates_args=())
+def expert_act(h: Tensor, row_scale: Optional[Tensor], activation: str, glu: bool) -> Tensor:
+    return _activation.expert_act(h, row_scale, activation, glu)
+
+
+@expert_act.register_fake
+def _(h, row_scale, activation, glu):
+    return h.new_empty(h.shape[0], h.shape[1] // 2 if glu else h.shape[1])
+
+
+@torch.library.custom_op(_NS + "expert_act_backward", mutates_args=())
+def expert_act_backward(
+    grad: Tensor, h: Tensor, row_scale: Optional[Tensor], activation: str, glu: bool, return_output: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _activation.expert_act_backward(grad, h, row_scale, activation, glu, return_output)
+
+
+@expert_act_backward.register_fake
+def _(grad, h, row_scale, activation, glu, return_output):
+    scale_dtype = (row_scale if row_scale is not None else h).dtype
+    scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
+    return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
+
+
+ACTIVATIONS = _activation.ACTIVATIONS
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """`ExpertsFunction`'s `fused_forward` and `fused_backward` from the Triton ops, with the activation ops given
+    (the Triton ones, or the pure-torch ones for activations without a kernel)."""
+
+    expert_act: Callable
+    expert_act_backward: Callable
+
+    def forward(self, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
+        """[N, H] -> (out [N, H], h [M, W], sorted_slots, slot_to_row, tokens_per_expert, row_weight [M]).
+        `save_h` is unused: h is computed anyway, and is what the backward keeps."""
+        ops = torch.ops.hf_moe_triton
+        top_k = top_k_index.shape[-1]
+        sorted_slots, slot_to_row, counts = ops.sort_by_expert(top_k_index, w1.shape[0])
+        row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
+        h = ops.grouped_mm(x, w1, counts, b1, None, True, sorted_slots, top_k)  # rows gathered in the GEMM
+        a = self.expert_act(h, row_weight, activation, glu)
+        y = ops.grouped_mm(a, w2, counts, b2, row_weight if b2 is not None else None, True)
+        return ops.unpermute(y, slot_to_row, None, top_k), h, sorted_slots, slot_to_row, counts, row_weight
+
+    def backward(self, grad_out, x, h, sorted_slots, slot_to_row, counts, row_weight, w1, b1, w2, b2, activation, glu,
+                 need_x, need_weights, need_params):
+        """-> (grad_x [N, H], grad_top_k_weights [N, k], grad_w1, grad_b1, grad_w2, grad_b2); empty where not asked
+        for (or without that bias). `ExpertsFunction.backward`'s arithmetic, with g = permute(grad_out) and
+        rows = permute(x) read through `sorted_slots` inside the GEMMs."""
+        ops = torch.ops.hf_moe_triton
+        top_k = sorted_slots.shape[0] // x.shape[0] if x.shape[0] else 1
+        empty = x.new_empty(0)
+        grad_x = grad_weights = grad_w1 = grad_b1 = grad_w2 = grad_b2 = empty
+        grad_a = ops.grouped_mm(grad_out, w2, counts, None, None, False, sorted_slots, top_k)  # [M, I]
+        grad_h, grad_row_weight, a = self.expert_act_backward(grad_a, h, row_weight, activation, glu, need_params)
+        del grad_a
+        if need_params:
+            grad_w2 = ops.grouped_mm_weight_grad(grad_out, a, counts, sorted_slots, top_k, "grad_out")
+            if b2 is not None:
+                grad_b2 = ops.grouped_mm_weight_grad(grad_out, row_weight.unsqueeze(1), counts, sorted_slots, top_k,
+                                                     "grad_out")[..., 0]
+        del a
+        if need_weights:
+            if b2 is not None:  # d/dw_r of w_r * b2[e] . g_r
+                bias_term = ops.grouped_mm(grad_out, b2.unsqueeze(1), counts, None, None, True, sorted_slots, top_k)
+                grad_row_weight = grad_row_weight + bias_term[:, 0].to(grad_row_weight.dtype)
+            grad_weights = grad_row_weight.index_select(0, slot_to_row).view(-1, top_k)
+        if need_params:
+            grad_w1 = ops.grouped_mm_weight_grad(grad_h, x, counts, sorted_slots, top_k, "x")
+            if b1 is not None:
+                grad_b1 = ops.grouped_mm_weight_grad(grad_h, grad_h.new_ones(grad_h.shape[0], 1), counts)[..., 0]
+        if need_x:
+            grad_rows = ops.grouped_mm(grad_h, w1, counts, None, None, False)  # [M, H]
+            grad_x = ops.unpermute(grad_rows, slot_to_row, None, top_k)
+        return grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2
+
+
+def fused_experts(activation_name: str) -> FusedExperts:
+    """The fused computation for an activation: Triton's activation kernels when they implement it."""
+    if activation_name in ACTIVATIONS:
+        return FusedExperts(torch.ops.hf_moe_triton.expert_act, torch.ops.hf_moe_triton.expert_act_backward)
+    return FusedExperts(reference.expert_act, reference.expert_act_backward)
