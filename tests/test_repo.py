@@ -23,3 +23,16 @@ def test_readme_has_the_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert _readme_commands()[1] in [line.strip() for line in ci]
+
+
+def test_oldest_transformers_is_the_same_everywhere():
+    """The bound in pyproject.toml, the version scripts/test_oldest.sh installs, and compat's record agree."""
+    from hf_moe.compat import TESTED
+
+    oldest, newest = TESTED["transformers"]
+    script = (ROOT / "scripts" / "test_oldest.sh").read_text()
+    assert f"OLDEST={oldest} " in script
+    major, minor, _ = newest.split(".")
+    bound = f'"transformers>={".".join(oldest.split(".")[:2])},<{major}.{int(minor) + 1}"'
+    assert bound in (ROOT / "pyproject.toml").read_text()
+    assert "bash scripts/test_oldest.sh" in (ROOT / "scripts" / "test.sh").read_text()
