@@ -74,7 +74,8 @@ def test_generate_equals_fully_loaded(tmp_path, router, mode):
     ids, mask = _left_padded()
     expected = _generate(full, ids, mask)
     for slots in (K, NUM_EXPERTS_TOTAL // 4):
-        model = MoEForCausalLM.from_pretrained(directory, offload_experts=mode, max_expert_memory=slots * EXPERT_BYTES)
+        model = MoEForCausalLM.from_pretrained(directory, offload_experts=mode, max_expert_memory=slots * EXPERT_BYTES,
+                                               offload_prefetch=slots > K)
         assert isinstance(model, type(full)) and type(model) is type(full)
         assert all(isinstance(b.experts, OffloadedExperts) for b in moe_blocks(model))
         got = _generate(model, ids, mask)
@@ -138,7 +139,8 @@ def test_only_routed_experts_are_read_and_cache_is_bounded(saved):
 def test_prefetch_predicts_next_layer_and_reports_accuracy(saved):
     """Prefetch reads layer l+1's predicted experts while layer l runs; the router recorder still sees one routing
     per layer (the prediction calls the router without hooks); hit rate and accuracy are reported."""
-    model = MoEForCausalLM.from_pretrained(saved, offload_experts="cpu", max_expert_memory=NUM_EXPERTS_TOTAL * EXPERT_BYTES)
+    model = MoEForCausalLM.from_pretrained(saved, offload_experts="cpu", max_expert_memory=NUM_EXPERTS_TOTAL * EXPERT_BYTES,
+                                           offload_prefetch=True)
     cache = expert_cache(model)
     cache.trace = []
     ids = random_ids(1, 5)
@@ -204,7 +206,9 @@ def test_auto_class_loads_offloaded(saved):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(saved, offload_experts="disk", max_expert_memory="1MiB")
-    assert isinstance(model, MoEForCausalLM) and expert_cache(model).num_slots == 14
+    cache = expert_cache(model)
+    assert isinstance(model, MoEForCausalLM) and cache.num_slots == 14
+    assert cache.prefetch is False  # a CPU cache: prefetching off by default (measured, see ExpertCache)
 
 
 def test_budget_parsing():

@@ -60,7 +60,10 @@ class ExpertCache:
         gates: each MoE layer's router, in layer order (to predict the next layer's experts).
         policy: "next_use" (default, chosen by measurement: see policy.py), "lfu", "lfu_decay", "lru", or a
             `CachePolicy`.
-        prefetch: fetch the experts the next layer's router predicts while a layer computes.
+        prefetch: fetch the experts the next layer's router predicts while a layer computes. None (default): on
+            for a GPU cache (copies on a side stream use the copy engine, not the compute), off for a CPU cache,
+            where a read is a memcpy on the cores that compute: measured on this project's 2-core CPU machine,
+            prefetching there halved decode speed (its wrong guesses are extra reads; README, benchmarks/offload.py).
         fetcher_class: how reads reach the slots (default: `ThreadFetcher` on CPU, `CudaStreamFetcher` on CUDA).
     Attributes:
         stats: `CacheStats` (hit rate, prefetch accuracy, bytes read, time waited).
@@ -76,14 +79,14 @@ class ExpertCache:
         device: torch.device,
         dtype: torch.dtype,
         policy: str | CachePolicy = DEFAULT_POLICY,
-        prefetch: bool = True,
+        prefetch: bool | None = None,
         fetcher_class=None,
     ):
         self.store, self.layout, self.budget = store, layout, budget
         self._fetcher_class = fetcher_class  # None: a thread on CPU, a side stream on CUDA
         self.gates = list(gates)  # a plain list: the routers stay submodules of their blocks only
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.prefetch = prefetch
+        self.prefetch_setting = prefetch
         self.stats = CacheStats()
         self.trace: list | None = None
         self.device = self.dtype = None
@@ -122,6 +125,7 @@ class ExpertCache:
         total = self.layout.num_layers * self.layout.num_experts
         slots = expert_slots(self.budget, expert_bytes, self.layout.top_k, total)
         self.device, self.dtype = device, dtype
+        self.prefetch = device.type == "cuda" if self.prefetch_setting is None else self.prefetch_setting
         self.pool = {
             name: torch.empty((slots, *shape), dtype=dtype, device=device) for name, shape in self.layout.shapes.items()
         }

@@ -42,14 +42,15 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
         max_expert_memory: bytes of resident experts (int, or a string like "1GiB"); at least one layer's top-k
             experts.
         offload_policy: the cache's eviction policy: "next_use" (default), "lfu", "lfu_decay" or "lru" (policy.py).
-        offload_prefetch: fetch the next layer's predicted experts while a layer computes (default True).
+        offload_prefetch: fetch the next layer's predicted experts while a layer computes. Default: on for a GPU
+            cache, off for a CPU cache (measured: see `ExpertCache`).
     Returns:
         The model, in eval mode; its cache is `hf_moe.offload.expert_cache(model)`.
     """
     mode = kwargs.pop("offload_experts", None)
     budget_arg = kwargs.pop("max_expert_memory", None)
     policy = kwargs.pop("offload_policy", DEFAULT_POLICY)
-    prefetch = kwargs.pop("offload_prefetch", True)
+    prefetch = kwargs.pop("offload_prefetch", None)
     if mode not in MODES:
         raise ValueError(
             f"offload_experts must be 'disk' (experts read from their files; CPU machines) or 'cpu' (experts in host "
