@@ -67,6 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--no-verify", action="store_true",
                         help="skip loading the export back to compare its logits (saves memory on huge models)")
     export.add_argument("--max-shard-size", default="5GB")
+
+    generate = sub.add_parser("generate", help="generate text with a saved MoE model, streaming the tokens; with "
+                              "--offload-experts, past memory (experts read on demand into a bounded cache)")
+    generate.add_argument("model", help="a directory saved by hf_moe (with its tokenizer)")
+    generate.add_argument("prompt")
+    generate.add_argument("--offload-experts", choices=["disk", "cpu"],
+                          help="disk: experts stay in their files and are read when routed to (CPU machines); "
+                          "cpu: experts in host memory, a cache on the GPU")
+    generate.add_argument("--max-expert-memory", help="bytes the resident experts may take, e.g. 1GiB or 500MB "
+                          "(with --offload-experts)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     return parser
 
 

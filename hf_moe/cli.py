@@ -96,7 +96,40 @@ def _export(args) -> None:
     print(f"Load it with plain transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
 
 
-COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export}
+def _generate(args) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from .modeling import MoEForCausalLM
+    from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
+
+    offload = args.offload_experts is not None or args.max_expert_memory is not None
+    options = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory) if offload else {}
+    start = time.perf_counter()
+    model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    load_s = time.perf_counter() - start
+    if args.chat:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+    else:
+        inputs = tokenizer(args.prompt, return_tensors="pt")
+    timer = GenerationTimer(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=timer, pad_token_id=pad)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    print(
+        f"{timer.new_tokens} tokens: prefill {prompt_tokens / timer.prefill_s:.1f} tok/s ({prompt_tokens} prompt "
+        f"tokens), decode {timer.decode_tokens_per_s:.2f} tok/s; peak RSS {peak_rss_bytes() / 2**30:.2f} GiB; "
+        f"loaded in {load_s:.1f}s",
+        file=sys.stderr,
+    )
+    if offload:
+        print(f"{describe(model)}\n{expert_cache(model).stats.summary()}", file=sys.stderr)
+
+
+COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "generate": _generate}
 
 
 def run(args) -> int:

@@ -129,6 +129,10 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         """
         from .checkpoint import missing_keys_error, validate_checkpoint
 
+        if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
+            from .offload import load_offloaded  # experts read on demand into a bounded cache (hf_moe/offload)
+
+            return load_offloaded(cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs)
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
         if os.path.isdir(local_dir) and not kwargs.pop("_validated", False):

@@ -1,0 +1,208 @@
+"""Where offloaded experts live when they are not in the cache: the checkpoint's files, or host memory.
+
+Both stores answer `read_into(layer, expert, dst)`: fill `dst` ({tensor name: tensor of the expert's shape}) with
+expert `expert` of the `layer`-th MoE layer (counted over MoE layers only). They are called from the cache's I/O
+thread (disk) or side stream (host -> GPU) as well as from the forward, so they keep no state that a read changes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..checkpoint import INDEX_NAME, CheckpointError, read_safetensors_header
+from ..convert.stream import _DTYPES  # safetensors dtype names -> torch dtypes (one table for the package)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The tensors of one expert, named and shaped as one slice of `Experts`' fused parameters.
+
+    GLU:   gate_up_proj [2I, H], down_proj [H, I];  plain: up_proj [I, H], down_proj [H, I];
+    with `expert_bias`: gate_up_proj_bias [2I] / up_proj_bias [I], down_proj_bias [H].
+    """
+
+    shapes: dict[str, tuple[int, ...]]
+    prefixes: tuple[str, ...]  # on-disk key prefix of each MoE layer's experts: "model.layers.3.mlp.experts"
+    num_experts: int
+    top_k: int
+    glu: bool
+    bias: bool
+    activation: str
+
+    @classmethod
+    def from_config(cls, config) -> ExpertLayout:
+        h, i = config.hidden_size, config.moe_intermediate_size
+        up = "gate_up_proj" if config.expert_glu else "up_proj"
+        rows = 2 * i if config.expert_glu else i
+        shapes = {up: (rows, h), "down_proj": (h, i)}
+        if config.expert_bias:
+            shapes.update({f"{up}_bias": (rows,), "down_proj_bias": (h,)})
+        # The same key layout as checkpoint.expected_expert_keys.
+        prefixes = tuple(f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers)
+        return cls(
+            shapes, prefixes, config.num_experts, config.num_experts_per_tok, config.expert_glu, config.expert_bias,
+            config.expert_hidden_act,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.prefixes)
+
+    def expert_numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes.values())
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        return self.expert_numel() * dtype.itemsize
+
+    def key(self, layer: int, expert: int, name: str) -> str:
+        return f"{self.prefixes[layer]}.{expert}.{name}"
+
+
+@dataclass(frozen=True)
+class _Span:
+    fd: int
+    filename: str
+    offset: int  # absolute, in bytes
+    nbytes: int
+    dtype: torch.dtype
+
+
+class DiskExperts:
+    """Experts left in the checkpoint's per-expert safetensors files, read on demand with positioned reads.
+
+    Every expert tensor's header entry is checked when the store opens (known float dtype, the shape the config
+    implies, a byte range that matches it and lies inside the file), so a read never trusts the file further.
+    `pread` copies through the page cache into the destination: no mapping of the files stays resident in this
+    process (a mapping's touched pages would count in its RSS).
+    """
+
+    def __init__(self, directory: str | os.PathLike, layout: ExpertLayout):
+        directory = Path(directory)
+        self.directory, self.layout = str(directory), layout
+        index = json.loads((directory / INDEX_NAME).read_text())
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{directory / INDEX_NAME} has no weight_map: save the model again.")
+        self._fds: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        headers: dict[str, tuple[dict, int]] = {}
+        self._spans: dict[tuple[int, int, str], _Span] = {}
+        for layer in range(layout.num_layers):
+            for expert in range(layout.num_experts):
+                for name, shape in layout.shapes.items():
+                    key = layout.key(layer, expert, name)
+                    filename = weight_map.get(key)
+                    if not isinstance(filename, str) or os.path.basename(filename) != filename:
+                        raise CheckpointError(
+                            f"{directory / INDEX_NAME} does not list {key} in a file of the directory: save the model again."
+                        )
+                    if filename not in headers:
+                        path = directory / filename
+                        header = read_safetensors_header(path)  # checks the file holds every byte it declares
+                        with open(path, "rb") as f:
+                            data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+                        headers[filename] = (header, data_start)
+                        self._fds[filename] = os.open(path, os.O_RDONLY)
+                    header, data_start = headers[filename]
+                    self._spans[layer, expert, name] = _check_entry(
+                        filename, self._fds[filename], key, header.get(key), shape, data_start
+                    )
+
+    def dtype(self) -> torch.dtype:
+        """The dtype the experts are stored in (the first expert's)."""
+        return next(iter(self._spans.values())).dtype
+
+    def read_into(self, layer: int, expert: int, dst: dict[str, torch.Tensor]) -> int:
+        """Fill `dst` with the expert's tensors (converting dtype if they differ). Returns the bytes read."""
+        total = 0
+        for name, out in dst.items():
+            span = self._spans[layer, expert, name]
+            direct = out.dtype == span.dtype and out.device.type == "cpu" and out.is_contiguous()
+            buffer = out if direct else torch.empty(out.shape, dtype=span.dtype)
+            self._pread(span, memoryview(buffer.view(-1).view(torch.uint8).numpy()), self.layout.key(layer, expert, name))
+            if not direct:
+                out.copy_(buffer)
+            total += span.nbytes
+        return total
+
+    def _pread(self, span: _Span, view: memoryview, key: str) -> None:
+        done = 0
+        while done < span.nbytes:
+            got = os.preadv(span.fd, [view[done:]], span.offset + done)
+            if got == 0:
+                raise CheckpointError(
+                    f"{span.filename} ended while reading {key}: the file was truncated or replaced after the model "
+                    "was loaded. Restore it (or save the model again) and reload."
+                )
+            done += got
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...], data_start: int) -> _Span:
+    """The byte range of one expert tensor, after checking its header entry against what the config implies."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{filename} is corrupt or from another model: {key} {what}. Save the model again.")
+
+    if not isinstance(meta, dict):
+        raise bad("is not in its header")
+    dtype = _DTYPES.get(meta.get("dtype"))
+    if dtype is None or not dtype.is_floating_point:
+        raise bad(f"has dtype {meta.get('dtype')!r}, not a floating-point type")
+    if list(meta.get("shape", ())) != list(shape):
+        raise bad(f"has shape {meta.get('shape')}, but the config implies {list(shape)}")
+    offsets = meta.get("data_offsets")
+    if (
+        not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize
+    ):
+        raise bad(f"has data_offsets {offsets}, which do not span {math.prod(shape)} {meta['dtype']} values")
+    # read_safetensors_header checked that the file holds every declared byte.
+    return _Span(fd, filename, data_start + offsets[0], offsets[1] - offsets[0], dtype)
+
+
+class HostExperts:
+    """Every expert in host memory (pinned when the cache is on a GPU), copied to the device cache on demand: the
+    "cpu" tier. tensors[name] is [L, E, *shape]; filled once from the files, with progress."""
+
+    def __init__(self, disk: DiskExperts, dtype: torch.dtype, pin: bool):
+        layout = self.layout = disk.layout
+        self.directory = disk.directory
+        self.tensors = {
+            name: torch.empty((layout.num_layers, layout.num_experts, *shape), dtype=dtype, pin_memory=pin)
+            for name, shape in layout.shapes.items()
+        }
+        keys = [(layer, e) for layer in range(layout.num_layers) for e in range(layout.num_experts)]
+        for layer, e in tqdm(keys, desc="Loading experts into host memory", unit="expert", leave=False):
+            disk.read_into(layer, e, {name: t[layer, e] for name, t in self.tensors.items()})
+
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.tensors.values())).dtype
+
+    def read_into(self, layer: int, expert: int, dst: dict[str, torch.Tensor]) -> int:
+        total = 0
+        for name, out in dst.items():
+            src = self.tensors[name][layer, expert]
+            out.copy_(src, non_blocking=True)  # asynchronous from pinned memory on the cache's side stream
+            total += src.numel() * src.element_size()
+        return total
+
+    def close(self) -> None:
+        pass
