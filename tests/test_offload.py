@@ -21,7 +21,7 @@ from hf_moe.offload import (
 )
 from hf_moe.offload.policy import LFU, LRU, DecayedLFU, NextUse
 from hf_moe.offload.simulate import simulate
-from hf_moe.routing import RouterRecorder, moe_blocks
+from hf_moe.routing import moe_blocks
 
 E, K = 8, 2
 EXPERT_BYTES = 3 * 64 * 96 * 4  # GLU llama tiny: gate_up [192, 64] + down [64, 96], fp32
@@ -128,9 +128,9 @@ def test_only_routed_experts_are_read_and_cache_is_bounded(saved):
 
     cache.fetcher.read = counting_read
     ids = random_ids(1, 6)
-    with torch.no_grad(), RouterRecorder(model) as recorder:
+    with torch.no_grad(), model.base_model.router_recorder.recording() as routings:
         model(ids)
-    routed = {(layer, e) for layer, r in enumerate(recorder.outputs) for e in r.top_k_index.unique().tolist()}
+    routed = {(layer, e) for layer, r in enumerate(routings) for e in r.top_k_index.unique().tolist()}
     assert set(reads) == routed and len(reads) == len(routed)
     assert cache.num_slots == 5 and cache.pool_bytes() <= budget
     assert cache.stats.demand_fetches == len(routed) and cache.stats.prefetches == 0
@@ -138,7 +138,7 @@ def test_only_routed_experts_are_read_and_cache_is_bounded(saved):
 
 def test_prefetch_predicts_next_layer_and_reports_accuracy(saved):
     """Prefetch reads layer l+1's predicted experts while layer l runs; the router recorder still sees one routing
-    per layer (the prediction calls the router without hooks); hit rate and accuracy are reported."""
+    per layer (the prediction calls the router outside its block); hit rate and accuracy are reported."""
     model = MoEForCausalLM.from_pretrained(saved, offload_experts="cpu", max_expert_memory=NUM_EXPERTS_TOTAL * EXPERT_BYTES,
                                            offload_prefetch=True)
     cache = expert_cache(model)
@@ -147,11 +147,11 @@ def test_prefetch_predicts_next_layer_and_reports_accuracy(saved):
     blocks = moe_blocks(model)
     inputs = []
     handle = blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-    with torch.no_grad(), RouterRecorder(model) as recorder:
+    with torch.no_grad(), model.base_model.router_recorder.recording() as routings:
         out = model(ids, use_cache=True)
         model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
     handle.remove()
-    assert len(recorder.outputs) == 2 * 3
+    assert len(routings) == 2 * 3
     s = cache.stats
     assert s.prefetches > 0 and 0 < s.prefetches_used <= s.prefetches
     assert 0 < s.prefetch_accuracy <= 1 and 0 < s.hit_rate <= 1

@@ -221,8 +221,8 @@ class ExpertCache:
     def predict(self, layer: int, hidden_states: torch.Tensor) -> list[int] | None:
         """The experts layer `layer`'s router picks for `hidden_states` [N, H] (the previous layer's input): the
         guess of what to fetch ahead. None when nothing asks for it (prefetch off and no trace), or past the last
-        layer. `.forward` rather than a module call: no hooks, so a `RouterRecorder` does not take this guess for
-        a routing."""
+        layer. The router's `.forward` rather than a module call: no hooks (ZeRO-3's, the user's) run for a guess,
+        and, called outside its block, it is not recorded as a routing."""
         if layer >= len(self.gates) or not (self.prefetch or self.trace is not None):
             return None
         index = self.gates[layer].forward(hidden_states).top_k_index
