@@ -67,11 +67,16 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--no-verify", action="store_true",
                         help="skip loading the export back to compare its logits (saves memory on huge models)")
     export.add_argument("--max-shard-size", default="5GB")
+
+    verify = sub.add_parser("verify", help="hash every file of a saved MoE checkpoint and compare with the checksums "
+                            "recorded when it was saved; exits 1 naming each damaged file and tensor")
+    verify.add_argument("dir", help="a directory saved by hf_moe")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, or 2 for bad input."""
+    """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, 1 when `verify` finds
+    damage, or 2 for bad input."""
     args = _parser().parse_args(argv)
     from hf_moe.cli import run  # the heavy imports start here
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .checkpoint import _commit
+from .checkpoint import _commit, resolve_output_directory, same_directory, staging_directory
 from .configuration import MoEConfig
 from .convert.api import _logits, _probe_input
 from .model_card import render_native_card
@@ -376,15 +375,11 @@ def export_native(
     model's tokenizer files when the source has them, and a README.md model card. It loads with
     `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers, without hf_moe.
     """
-    target = Path(out_dir).absolute()
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"Cannot export to {target}: it is a file, not a directory.")
+    target = resolve_output_directory(out_dir, "Cannot export to")
     moe, source_dir = _load_moe(moe_model_or_dir, target)
     config = native_config(moe.config)  # raises with every reason first, before anything is written
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.hf_moe-export-{uuid.uuid4().hex[:8]}"
-    try:
+    with staging_directory(target) as staging:
         native = _native_model(moe, config)
         native.save_pretrained(staging, max_shard_size=max_shard_size)
         result = NativeExport(target, config.model_type, type(native).__name__)
@@ -394,9 +389,6 @@ def export_native(
             _measure(moe, staging, result)
         (staging / "README.md").write_text(render_native_card(moe, config, result))
         _commit(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return result
 
 
@@ -415,9 +407,10 @@ def _load_moe(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM, str | Non
             f"export_native takes an hf_moe MoEForCausalLM or the directory it was saved to, got "
             f"{type(moe_model_or_dir).__name__}. Convert a dense model first with hf_moe.convert_to_moe."
         )
-    if path is not None and Path(path).absolute() == target:
+    if path is not None and same_directory(path, target):
         raise NativeExportError(f"Export to a new directory: {target} holds the hf_moe model being exported.")
-    return (model if model is not None else MoEForCausalLM.from_pretrained(path, dtype="auto")), path
+    # A corrupt input must not come out as a clean export with fresh checksums: its data is always verified.
+    return (model if model is not None else MoEForCausalLM.from_pretrained(path, dtype="auto", verify_checksums=None)), path
 
 
 def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:

@@ -102,17 +102,23 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         """`PreTrainedModel.from_pretrained`, with the checkpoint checked first: a missing, truncated or corrupt
-        file, a missing tensor, or a checkpoint from a newer hf_moe is an error that names it.
+        file, a tensor of the wrong dtype or shape, a router holding NaN, a file outside the directory, or a
+        checkpoint from a newer hf_moe is an error that names it.
+
+        `verify_checksums`: hash every file and compare with the checksums recorded at save time (True), or only
+        the sizes and headers (False); the default (None) verifies checkpoints that record checksums (see
+        `hf_moe.checkpoint.VERIFY_CHECKSUMS_BY_DEFAULT`).
 
         With `expert_parallel=True` (under torchrun / accelerate launch) each rank builds and reads only its own
         block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`).
         """
-        from .checkpoint import missing_keys_error, validate_checkpoint
+        from .checkpoint import missing_keys_error, recover_interrupted_commit, validate_checkpoint
 
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
-        if os.path.isdir(path) and not kwargs.pop("_validated", False):
-            validate_checkpoint(local_dir)
+        verify_checksums = kwargs.pop("verify_checksums", None)
+        if not kwargs.pop("_validated", False) and (os.path.isdir(path) or recover_interrupted_commit(path)):
+            validate_checkpoint(local_dir, verify_checksums=verify_checksums)
         if expert_parallel:
             return cls._from_pretrained_expert_parallel(local_dir, model_args, kwargs, expert_parallel_size, process_group)
         if cls.base_model_class is None:
@@ -240,6 +246,14 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
                     "`gradient_checkpointing_enable()` (use_reentrant=False).",
                     stacklevel=3,
                 )
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
+        so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
+        there, as transformers does for ZeRO-3 and FSDP."""
+        if kwargs.get("synced_gpus") is None and len(args) < 6 and getattr(self, "expert_parallel_plan", None):
+            kwargs["synced_gpus"] = torch.distributed.get_world_size() > 1
+        return super().generate(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Checkpoints and inspection

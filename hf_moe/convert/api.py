@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -244,10 +245,10 @@ def _check_method_options(method: str, given: dict, opts: dict) -> None:
         misplaced = [n for n in names if other != method and n in given and given[n] != OPTIONS[n]]
         if misplaced:
             raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
-    if not 0.0 <= opts["reinit_fraction"] <= 1.0:
-        raise ValueError(f"reinit_fraction must be between 0 and 1, got {opts['reinit_fraction']!r}.")
-    if opts["noise"] < 0:
-        raise ValueError(f"noise must be >= 0, got {opts['noise']!r}.")
+    for name, high in (("reinit_fraction", 1.0), ("noise", math.inf)):  # NaN fails both comparisons
+        value = opts[name]
+        if type(value) not in (int, float) or not (0.0 <= value <= high and value < math.inf):
+            raise ValueError(f"{name} must be a finite number between 0 and {high}, got {value!r}.")
     if not isinstance(opts["num_shared_experts"], int) or opts["num_shared_experts"] < 0:
         raise ValueError(f"num_shared_experts must be an int >= 0, got {opts['num_shared_experts']!r}.")
     if method == "split":
