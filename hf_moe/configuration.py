@@ -275,8 +275,6 @@ def _check_types(config) -> None:
             continue
         if not _is(value, kind):
             raise ValueError(f"{name} must be {kind}, got {_brief(value)} ({type(value).__name__}).")
-        if kind == _FLOAT and math.isnan(value):
-            raise ValueError(f"{name} must be a number, got NaN.")
     for name in ("moe_layers", "moe_bypassed_paths"):
         value, kind = getattr(config, name), _INT if name == "moe_layers" else _STR
         if value is not None and not (isinstance(value, (list, tuple)) and all(_is(v, kind) for v in value)):

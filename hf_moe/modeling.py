@@ -118,9 +118,12 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
         verify_checksums = kwargs.pop("verify_checksums", None)
         if not kwargs.pop("_validated", False) and (os.path.isdir(path) or recover_interrupted_commit(path)):
-            validate_checkpoint(local_dir, verify_checksums=verify_checksums)
+            # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
+            validate_checkpoint(local_dir, verify_checksums=False if expert_parallel else verify_checksums)
         if expert_parallel:
-            return cls._from_pretrained_expert_parallel(local_dir, model_args, kwargs, expert_parallel_size, process_group)
+            return cls._from_pretrained_expert_parallel(
+                local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
+            )
         if cls.base_model_class is None:
             config = kwargs.get("config")
             if not isinstance(config, MoEConfig):
@@ -136,7 +139,9 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         return (model, info) if output_loading_info else model
 
     @classmethod
-    def _from_pretrained_expert_parallel(cls, directory, model_args, kwargs, expert_parallel_size, process_group):
+    def _from_pretrained_expert_parallel(
+        cls, directory, model_args, kwargs, expert_parallel_size, process_group, verify_checksums=None
+    ):
         """Load this rank's experts only: transformers loads from a view of the directory that lists the
         non-expert files and this rank's expert files, into a model whose experts hold this rank's block."""
         from . import parallel
@@ -147,7 +152,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         plan = parallel.build_plan(process_group, expert_parallel_size)
         config = MoEConfig.from_pretrained(directory)
         start, end = plan.expert_range(config.num_experts)
-        with local_expert_view(directory, start, end) as view, parallel.local_experts(plan):
+        with local_expert_view(directory, start, end, verify_checksums) as view, parallel.local_experts(plan):
             model = cls.from_pretrained(view, *model_args, _validated=True, **kwargs)
         model.config.name_or_path = directory
         return parallel.finish(model, plan)
