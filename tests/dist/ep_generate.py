@@ -12,6 +12,8 @@ to OUT_DIR/rank{r}.pt; rank 0 prints "OK <check>" for each check that passed.
 from __future__ import annotations
 
 import copy
+import datetime
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -26,7 +28,8 @@ from hf_moe import convert_to_moe, expert_parallel  # noqa: E402
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo")
+    faulthandler.dump_traceback_later(180, exit=True)  # a hang ends this rank, with the stack that hung
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=150))
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, noise=0.1).eval()
