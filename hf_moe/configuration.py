@@ -13,6 +13,7 @@ The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `n
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any, ClassVar
 
@@ -165,7 +166,7 @@ class MoEConfig(PreTrainedConfig):
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive finite number (or None for dropless), got {value}.")
+                raise ValueError(f"{name} must be positive and finite (or None for dropless), got {value}.")
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise", "router_bias_update_rate"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
@@ -259,12 +260,12 @@ def _brief(value, limit: int = 100) -> str:
 
 def _is(value, kind: str) -> bool:
     if kind == _INT:
-        return type(value) is int
-    if kind == _FLOAT:
-        return type(value) in (int, float)  # NaN and infinities are caught by the range checks
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == _FLOAT:  # NaN and infinities are caught by the range checks
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
     if kind == _BOOL:
-        return type(value) is bool
-    return type(value) is str
+        return isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def _check_types(config) -> None:

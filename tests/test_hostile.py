@@ -613,7 +613,7 @@ def test_capacity_factor_inf_on_the_command_line(tmp_path, capsys):
     for value in ("inf", "nan", "-1"):
         assert cli(["convert", str(tmp_path / "dense"), str(tmp_path / "moe"), "--num-experts", "4", "--top-k", "2",
                     "--capacity-factor", value]) == 2
-        assert "capacity_factor must be a positive finite number" in capsys.readouterr().err
+        assert "capacity_factor must be positive and finite" in capsys.readouterr().err
     assert not (tmp_path / "moe").exists()
 
 
@@ -629,7 +629,7 @@ def test_nan_and_out_of_range_options_are_refused(option):
 CONFIG_EDITS = {
     "num_experts as a string": ({"num_experts": "4"}, "num_experts must be an int"),
     "a million experts": ({"num_experts": 10**6}, "num_experts=1000000"),
-    "capacity_factor inf": ({"capacity_factor": math.inf}, "capacity_factor must be a positive finite"),
+    "capacity_factor inf": ({"capacity_factor": math.inf}, "capacity_factor must be positive and finite"),
     "aux loss NaN": ({"router_aux_loss_coef": math.nan}, "router_aux_loss_coef must be a finite number"),
     "zero prototypes": ({"num_prototypes": 0, "router_type": "prototype"}, "num_prototypes must be at least 1"),
     "a norm bypassed": ({"moe_bypassed_paths": ["post_attention_layernorm"]}, "post_attention_layernorm"),

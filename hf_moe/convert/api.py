@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from typing import Any
@@ -245,10 +246,11 @@ def _check_method_options(method: str, given: dict, opts: dict) -> None:
         misplaced = [n for n in names if other != method and n in given and given[n] != OPTIONS[n]]
         if misplaced:
             raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
-    for name, high in (("reinit_fraction", 1.0), ("noise", math.inf)):  # NaN fails both comparisons
+    for name, high, expected in (("reinit_fraction", 1.0, "between 0 and 1"), ("noise", math.inf, ">= 0 and finite")):
         value = opts[name]
-        if type(value) not in (int, float) or not (0.0 <= value <= high and value < math.inf):
-            raise ValueError(f"{name} must be a finite number between 0 and {high}, got {value!r}.")
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and 0.0 <= value <= high):  # (NaN fails every comparison)
+            raise ValueError(f"{name} must be {expected}, got {value!r}.")
     if not isinstance(opts["num_shared_experts"], int) or opts["num_shared_experts"] < 0:
         raise ValueError(f"num_shared_experts must be an int >= 0, got {opts['num_shared_experts']!r}.")
     if method == "split":
