@@ -54,7 +54,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .compat import convert_file_size_to_int, remove_tied_weights_from_state_dict
-from .configuration import CHECKPOINT_FORMAT_VERSION
+from .configuration import CHECKPOINT_FORMAT_VERSION, _brief, _cut
 from .layers import Experts
 from .model_card import is_generated_card, render_model_card
 
@@ -89,16 +89,6 @@ _MAX_PROBLEMS_SHOWN = 12
 
 class CheckpointError(ValueError):
     """A saved MoE checkpoint is incomplete, corrupt, or from an unsupported version."""
-
-
-def _cut(text: str, limit: int = 500) -> str:
-    """`text` cut to about `limit` characters: values read from a file go into messages, and must not flood them."""
-    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
-
-
-def _brief(value, limit: int = 120) -> str:
-    """repr(value), cut to about `limit` characters."""
-    return _cut(repr(value), limit)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -349,9 +339,10 @@ def _lock_path(target: Path, token: str) -> Path:
 def _new_staging(target: Path) -> Path:
     """Create and lock a staging directory beside `target`, after removing what killed saves into it left.
 
-    The lock file is created (and locked) before the directory and removed after it, so a staging directory
-    whose lock nobody holds belongs to a dead writer. A cleaner may lock a new lock file in the instant between
-    its creation and its locking, and remove it: the writer then finds its lock file gone and takes a new one.
+    The lock file is created (and locked) before the directory, and removed only once the directory is finished
+    with (committed or being discarded), so a staging directory whose lock nobody holds belongs to no live writer.
+    A cleaner may lock a new lock file in the instant between its creation and its locking, and remove it: the
+    writer then finds its lock file gone and takes a new one.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(target)
@@ -643,7 +634,9 @@ def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_bytes())
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path} is corrupt: not valid JSON ({_cut(str(err), 300)}). Save the model again.") from None
+        raise CheckpointError(
+            f"{path} is corrupt: not valid JSON ({_cut(str(err), 300)}). Save the model again."
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} is corrupt: it holds a JSON {type(value).__name__}, not an object.")
     return value
@@ -710,12 +703,16 @@ def _read_header(path: Path) -> tuple[dict, bytes]:
         if header_len > size - 8:
             raise CheckpointError(f"{path.name} is corrupt: its header is cut off (truncated file?).")
         if header_len > MAX_HEADER_BYTES:
-            raise CheckpointError(f"{path.name} is corrupt: it declares a {header_len}-byte header (at most {MAX_HEADER_BYTES}).")
+            raise CheckpointError(
+                f"{path.name} is corrupt: it declares a {header_len}-byte header (at most {MAX_HEADER_BYTES})."
+            )
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path.name} is corrupt: its header is not valid JSON ({_cut(str(err), 300)}).") from None
+        raise CheckpointError(
+            f"{path.name} is corrupt: its header is not valid JSON ({_cut(str(err), 300)})."
+        ) from None
     _check_header(path.name, header, size - 8 - header_len)
     return header, prefix + raw
 
@@ -908,8 +905,8 @@ def validate_checkpoint(directory: str | os.PathLike, *, verify_checksums: bool 
         ) from None
     _check_tensors(weight_map, headers, expected, moe_config)
     _check_block_paths(directory, moe_config)
-    _check_routers(directory, weight_map, expected, moe_config)
     _verify_data(directory, checksums, sorted(set(weight_map.values())), verify_checksums)
+    _check_routers(directory, weight_map, expected, moe_config)  # (after: damage is named as damage, not as NaN)
 
 
 def _verify_data(directory: Path, checksums: dict | None, names: list[str], verify_checksums: bool | None) -> None:

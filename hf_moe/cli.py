@@ -23,7 +23,9 @@ def _convert(args) -> None:
     options = {"seed": args.seed, "router_type": args.router}
     options.update({k: getattr(args, k) for k in _OPTION_FLAGS if getattr(args, k) is not None})
     if same_directory(args.src, args.out):
-        raise ValueError(f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT.")
+        raise ValueError(
+            f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT."
+        )
     model = None
     if not args.in_memory and os.path.isdir(args.src):
         try:

@@ -252,10 +252,14 @@ _NULLABLE = {
 }
 
 
-def _brief(value, limit: int = 100) -> str:
-    """repr(value) cut to about `limit` characters, for messages about values read from files."""
-    text = repr(value)
+def _cut(text: str, limit: int = 500) -> str:
+    """`text` cut to about `limit` characters: values read from files go into messages, and must not flood them."""
     return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+
+
+def _brief(value, limit: int = 120) -> str:
+    """repr(value), cut to about `limit` characters."""
+    return _cut(repr(value), limit)
 
 
 def _is(value, kind: str) -> bool:

@@ -409,8 +409,9 @@ def _load_moe(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM, str | Non
         )
     if path is not None and same_directory(path, target):
         raise NativeExportError(f"Export to a new directory: {target} holds the hf_moe model being exported.")
-    # A corrupt input must not come out as a clean export with fresh checksums: its data is always verified.
-    return (model if model is not None else MoEForCausalLM.from_pretrained(path, dtype="auto", verify_checksums=None)), path
+    if model is None:  # (its checksums verified, as on every load: a corrupt input is refused, not exported)
+        model = MoEForCausalLM.from_pretrained(path, dtype="auto")
+    return model, path
 
 
 def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:

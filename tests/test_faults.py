@@ -49,7 +49,8 @@ def _report_counts(request):
 @pytest.mark.slow
 def test_no_fault_damages_out_or_leaks_staging(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_MOE_BACKEND": "torch", "TQDM_DISABLE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env,
                             cwd=ROOT, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -217,7 +218,9 @@ def operations(work: Path) -> list[Operation]:
 
     dense = work / "dense"
     tiny_dense("llama").save_pretrained(dense)
-    models = {seed: convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05, seed=seed) for seed in (0, 1)}
+    models = {
+        seed: convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05, seed=seed) for seed in (0, 1)
+    }
     sources = {}
     for seed, model in models.items():
         sources[seed] = work / f"moe-{seed}"

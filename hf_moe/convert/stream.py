@@ -460,7 +460,9 @@ class _ShardWriter:
 
     def close(self) -> None:
         if self.pending:
-            raise AssertionError(f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}")
+            raise AssertionError(
+                f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}"
+            )
         self.abort()
 
     def abort(self) -> None:
