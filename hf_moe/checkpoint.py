@@ -615,15 +615,22 @@ def checkpoint_file(directory: str | os.PathLike, name, source: str) -> Path:
             "follow the format. Refusing to load it."
         )
     path = directory / name
-    if path.is_symlink():
-        real, root = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
-        allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
-        if not any(real == base or base in real.parents for base in allowed):
-            raise CheckpointError(
-                f"{path} is a symbolic link to {real}, outside the checkpoint directory. A checkpoint reads "
-                "nothing outside its directory: copy the file in instead of linking it."
-            )
+    if not stays_inside(directory, path):
+        raise CheckpointError(
+            f"{path} is a symbolic link to {os.path.realpath(path)}, outside the checkpoint directory. A checkpoint "
+            "reads nothing outside its directory: copy the file in instead of linking it."
+        )
     return path
+
+
+def stays_inside(directory: str | os.PathLike, path: Path) -> bool:
+    """Whether `path` (an entry of `directory`) is a file of the directory: not a symbolic link out of it (except,
+    in a Hugging Face Hub cache snapshot, into that repository's `blobs/`)."""
+    if not path.is_symlink():
+        return True
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    return any(real == base or base in real.parents for base in allowed)
 
 
 def _read_json(path: Path) -> dict:
@@ -1194,7 +1201,7 @@ def local_expert_view(directory: str | os.PathLike, start: int, end: int, verify
     with tempfile.TemporaryDirectory(prefix="hf_moe-view-") as tmp:
         view = Path(tmp)
         for item in directory.iterdir():
-            if item.name == INDEX_NAME or item.is_dir():
+            if item.name == INDEX_NAME or item.is_dir() or not stays_inside(directory, item):
                 continue
             if item.name.endswith(".safetensors"):
                 if item.name in set(keep.values()):

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .checkpoint import _commit, resolve_output_directory, same_directory, staging_directory
+from .checkpoint import _commit, resolve_output_directory, same_directory, staging_directory, stays_inside
 from .configuration import MoEConfig
 from .convert.api import _logits, _probe_input
 from .model_card import render_native_card
@@ -420,8 +420,9 @@ def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:
     if not source_dir or not os.path.isdir(source_dir):
         return
     for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(source_dir, name)):
-            shutil.copy2(os.path.join(source_dir, name), out / name)
+        path = Path(source_dir) / name
+        if path.is_file() and stays_inside(source_dir, path):  # (a link out of the checkpoint is not followed)
+            shutil.copy2(path, out / name)
 
 
 @torch.no_grad()

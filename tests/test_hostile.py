@@ -222,6 +222,16 @@ def test_nothing_outside_the_checkpoint_is_read(saved, outside, tmp_path, capsys
     assert not (tmp_path / "native").exists()
 
 
+def test_export_does_not_follow_a_tokenizer_link_out_of_the_checkpoint(saved, outside, tmp_path):
+    directory = copy_of(saved[0], tmp_path / "moe")
+    (outside.directory / "tokenizer.json").write_text("{}")
+    os.symlink(outside.directory / "tokenizer.json", directory / "tokenizer.json")
+    outside.arm()
+    hostile()
+    export_native(directory, tmp_path / "native", verify=False)
+    assert (tmp_path / "native" / "config.json").is_file() and not (tmp_path / "native" / "tokenizer.json").exists()
+
+
 @pytest.mark.parametrize("how", ["relative", "absolute", "symlinked file"])
 def test_streaming_source_index_stays_inside_the_source(outside, tmp_path, how):
     dense = tmp_path / "dense"
