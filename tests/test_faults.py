@@ -72,7 +72,10 @@ def test_no_fault_damages_out_or_leaks_staging(tmp_path):
             assert any(f["error"] for f in kinds[(op, kind)]), (op, kind)  # the fault did make the operation fail
     assert len(kinds[("save", "SIGKILL, two renames")]) >= 8
     assert any(f["absent_before_load"] for f in kinds[("save", "SIGKILL, two renames")])  # the window was hit
-    assert not any(f["absent_before_load"] for f in faults if f["kind"] == "SIGKILL")  # RENAME_EXCHANGE: never
+    from hf_moe.checkpoint import _renameat2
+
+    if _renameat2() is not None:  # with RENAME_EXCHANGE, OUT is never absent
+        assert not any(f["absent_before_load"] for f in faults if f["kind"] == "SIGKILL")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -375,6 +375,15 @@ class _ShardWriter:
         self.shards, self.layout = shards, layout
 
     def __enter__(self):
+        try:
+            self._lay_out()
+        except BaseException:  # (`with` calls __exit__ only once __enter__ has returned)
+            self.abort()
+            raise
+        return self
+
+    def _lay_out(self) -> None:
+        """Create every file with its header, at its final size."""
         for filename, tensors in self.shards.items():
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offsets, offset = {}, 0
@@ -394,7 +403,6 @@ class _ShardWriter:
             self.offsets[filename] = {k: (base + s, n) for k, (s, n) in offsets.items()}
             self.pending.update(tensors)
         self.weight_map = dict(self.file_of)
-        return self
 
     def __exit__(self, *exc) -> None:
         self.abort()
