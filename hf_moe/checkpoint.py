@@ -1049,10 +1049,10 @@ def _config_dtype(config) -> torch.dtype | None:
 def expected_tensors(config) -> dict[str, tuple[torch.dtype, torch.Size]]:
     """{on-disk key: (dtype, shape)} of every tensor a model of `config` saves, from the model built on the meta
     device (no memory)."""
-    from .modeling import MoEForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = MoEForCausalLM._from_config(config, dtype=_config_dtype(config) or torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=_config_dtype(config) or torch.float32)
     return {k: (t.dtype, t.shape) for k, t in checkpoint_state_dict(model).items()}
 
 
