@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="skip loading the export back to compare its logits (saves memory on huge models)")
     export.add_argument("--max-shard-size", default="5GB")
 
+    verify = sub.add_parser("verify", help="hash every file of a saved MoE checkpoint and compare with the checksums "
+                            "recorded when it was saved; exits 1 naming each damaged file and tensor")
+    verify.add_argument("dir", help="a directory saved by hf_moe")
     generate = sub.add_parser("generate", help="generate text with a saved MoE model, streaming the tokens; with "
                               "--offload-experts, past memory (experts read on demand into a bounded cache)")
     generate.add_argument("model", help="a directory saved by hf_moe (with its tokenizer)")
@@ -83,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, or 2 for bad input."""
+    """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, 1 when `verify` finds
+    damage, or 2 for bad input."""
     args = _parser().parse_args(argv)
     from hf_moe.cli import run  # the heavy imports start here
 

@@ -14,6 +14,7 @@ _OPTION_FLAGS = (
 
 
 def _convert(args) -> None:
+    from .checkpoint import same_directory
     from .convert.api import convert_to_moe
     from .convert.stream import StreamingUnsupported, convert_checkpoint
     from .model_card import block_diff_text
@@ -21,6 +22,10 @@ def _convert(args) -> None:
     start = time.perf_counter()
     options = {"seed": args.seed, "router_type": args.router}
     options.update({k: getattr(args, k) for k in _OPTION_FLAGS if getattr(args, k) is not None})
+    if same_directory(args.src, args.out):
+        raise ValueError(
+            f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT."
+        )
     model = None
     if not args.in_memory and os.path.isdir(args.src):
         try:
@@ -129,17 +134,37 @@ def _generate(args) -> None:
         print(f"{describe(model)}\n{expert_cache(model).stats.summary()}", file=sys.stderr)
 
 
-COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "generate": _generate}
+
+
+def _verify(args) -> int:
+    from .checkpoint import verify_checkpoint
+
+    report = verify_checkpoint(args.dir)
+    if report.problems:
+        print(f"{args.dir}: {len(report.problems)} problem(s):", file=sys.stderr)
+        for problem in report.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    size = f"{report.num_bytes / 1e9:.2f} GB" if report.num_bytes >= 1e9 else f"{report.num_bytes / 1e6:.1f} MB"
+    print(
+        f"{args.dir}: {report.files} files, {size}: every checksum ({report.algorithm}) matches the save, and the "
+        f"checks before load pass ({report.seconds:.2f}s)."
+    )
+    return 0
+
+
+COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "verify": _verify, "generate": _generate}
 
 
 def run(args) -> int:
-    """Run the parsed command (see `hf_moe_cli`, which parses). Returns the exit status: 0, or 2 for bad input."""
+    """Run the parsed command (see `hf_moe_cli`, which parses). Returns the exit status: 0, the command's own (1
+    when `verify` finds damage), or 2 for bad input."""
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError) as err:  # bad input and missing or unwritable paths
         print(f"hf-moe {args.command}: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,10 +12,13 @@ The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `n
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 from .compat import CONFIG_MAPPING, attn_implementation
 from .layers.router import ROUTERS
@@ -120,6 +123,7 @@ class MoEConfig(PreTrainedConfig):
                 f"base_model_type={base_model_type!r}."
             )
         kwargs.pop("model_type", None)  # always "hf_moe"; a stale base value must not shadow it
+        _check_types(self)
         if self.hf_moe_format > CHECKPOINT_FORMAT_VERSION:
             from . import __version__
 
@@ -132,7 +136,7 @@ class MoEConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         if self.moe_layers is None:
             self.moe_layers = list(range(self.get_text_config().num_hidden_layers))
-        self.moe_layers = sorted({int(i) for i in self.moe_layers})
+        self.moe_layers = sorted(set(self.moe_layers))
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = getattr(self, "intermediate_size", None)
         if self.shared_expert_intermediate_size is None and self.num_shared_experts:
@@ -140,6 +144,7 @@ class MoEConfig(PreTrainedConfig):
         self._validate_moe()
 
     def _validate_moe(self):
+        _check_types(self)
         num_layers = self.get_text_config().num_hidden_layers
         if self.num_experts < 1:
             raise ValueError(f"num_experts must be at least 1, got {self.num_experts}.")
@@ -150,7 +155,9 @@ class MoEConfig(PreTrainedConfig):
             )
         bad = [i for i in self.moe_layers if not 0 <= i < num_layers]
         if bad:
-            raise ValueError(f"moe_layers {bad} are out of range: the model has layers 0..{num_layers - 1}.")
+            raise ValueError(
+                f"moe_layers {_brief(bad)} are out of range: the model has layers 0..{num_layers - 1}."
+            )
         if not self.moe_layers:
             raise ValueError("moe_layers is empty: choose at least one decoder layer to make an MoE layer.")
         if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
@@ -161,12 +168,27 @@ class MoEConfig(PreTrainedConfig):
             raise ValueError(f"num_shared_experts must be 0 or more, got {self.num_shared_experts}.")
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive (or None for dropless), got {value}.")
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be positive and finite (or None for dropless), got {value}.")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise", "router_bias_update_rate"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
+        if not 0 <= self.moe_output_dropout < 1:
+            raise ValueError(f"moe_output_dropout must be in [0, 1), got {self.moe_output_dropout}.")
+        if self.router_init_std is not None and not 0 < self.router_init_std < math.inf:
+            raise ValueError(f"router_init_std must be a positive finite number (or None), got {self.router_init_std}.")
+        for name in ("num_prototypes", "shared_expert_intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (or None for the default), got {getattr(self, name)}.")
         if self.router_type not in ROUTERS:
             raise ValueError(
-                f"Unknown router_type {self.router_type!r}. Registered routers: {', '.join(sorted(ROUTERS))}. "
+                f"Unknown router_type {_brief(self.router_type)}. Registered routers: {', '.join(sorted(ROUTERS))}. "
                 "A custom router must be registered (@hf_moe.register_router) before the config is created."
+            )
+        if self.expert_hidden_act not in ACT2FN:
+            raise ValueError(
+                f"expert_hidden_act {_brief(self.expert_hidden_act)} is not an activation of transformers "
+                "(a key of transformers.activations.ACT2FN, e.g. 'silu', 'gelu')."
             )
 
     @classmethod
@@ -218,6 +240,61 @@ class MoEConfig(PreTrainedConfig):
     def __reduce__(self):
         # By base type rather than by class, so a fresh process can rebuild the specialised class.
         return (_empty_config, (self.base_model_type,), self.__dict__.copy())
+
+
+# The type of each MoE field: values come from config.json, and a wrong type must be an error that names the field,
+# not a TypeError deep inside the model (or, worse, a silent coercion).
+_INT, _FLOAT, _BOOL, _STR = "an int", "a number", "a bool", "a string"
+_FIELD_TYPES = {
+    "num_experts": _INT, "num_experts_per_tok": _INT, "norm_topk_prob": _BOOL, "router_aux_loss_coef": _FLOAT,
+    "output_router_logits": _BOOL, "moe_intermediate_size": _INT, "expert_glu": _BOOL, "expert_bias": _BOOL,
+    "expert_hidden_act": _STR, "moe_output_dropout": _FLOAT, "router_type": _STR, "capacity_factor": _FLOAT,
+    "eval_capacity_factor": _FLOAT, "router_jitter_noise": _FLOAT, "router_z_loss_coef": _FLOAT,
+    "num_prototypes": _INT, "router_bias_update_rate": _FLOAT, "router_weights": _STR, "num_shared_experts": _INT,
+    "shared_expert_intermediate_size": _INT, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
+    "decoder_layers_path": _STR, "moe_block_path": _STR, "hf_moe_format": _INT,
+}
+_NULLABLE = {
+    "moe_layers", "moe_intermediate_size", "capacity_factor", "eval_capacity_factor", "num_prototypes",
+    "shared_expert_intermediate_size", "router_init_std", "decoder_layers_path", "moe_bypassed_paths",
+    "moe_conversion",
+}
+
+
+def _cut(text: str, limit: int = 500) -> str:
+    """`text` cut to about `limit` characters: values read from files go into messages, and must not flood them."""
+    return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
+
+
+def _brief(value, limit: int = 120) -> str:
+    """repr(value), cut to about `limit` characters."""
+    return _cut(repr(value), limit)
+
+
+def _is(value, kind: str) -> bool:
+    if kind == _INT:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind == _FLOAT:  # NaN and infinities are caught by the range checks
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def _check_types(config) -> None:
+    """Every MoE field has its type: `num_experts: "4"` or `moe_layers: ["0"]` is an error that names the field."""
+    for name, kind in _FIELD_TYPES.items():
+        value = getattr(config, name)
+        if value is None and name in _NULLABLE:
+            continue
+        if not _is(value, kind):
+            raise ValueError(f"{name} must be {kind}, got {_brief(value)} ({type(value).__name__}).")
+    for name in ("moe_layers", "moe_bypassed_paths"):
+        value, kind = getattr(config, name), _INT if name == "moe_layers" else _STR
+        if value is not None and not (isinstance(value, (list, tuple)) and all(_is(v, kind) for v in value)):
+            raise ValueError(f"{name} must be a list of {'ints' if kind == _INT else 'strings'}, got {_brief(value)}.")
+    if config.moe_conversion is not None and not isinstance(config.moe_conversion, dict):
+        raise ValueError(f"moe_conversion must be an object, got {_brief(config.moe_conversion)}.")
 
 
 def _empty_config(base_model_type: str) -> MoEConfig:

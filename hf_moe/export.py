@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,14 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from .checkpoint import _commit
+from .checkpoint import (
+    _commit,
+    checkpoint_config,
+    resolve_output_directory,
+    same_directory,
+    staging_directory,
+    stays_inside,
+)
 from .configuration import MoEConfig
 from .convert.api import _logits, _probe_input
 from .model_card import render_native_card
@@ -390,18 +396,14 @@ def export_native(
     model's tokenizer files when the source has them, and a README.md model card. It loads with
     `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers, without hf_moe.
     """
-    target = Path(out_dir).absolute()
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"Cannot export to {target}: it is a file, not a directory.")
+    target = resolve_output_directory(out_dir, "Cannot export to")
     moe, source_dir = _source(moe_model_or_dir, target)
     # Every reason it cannot export, from config.json alone: before any weight is read or anything written.
-    config = native_config(moe.config if moe is not None else MoEConfig.from_pretrained(source_dir))
-    if moe is None:
+    config = native_config(moe.config if moe is not None else checkpoint_config(source_dir))
+    if moe is None:  # (its checksums verified, as on every load: a corrupt input is refused, not exported)
         moe = MoEForCausalLM.from_pretrained(source_dir, dtype="auto")
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.hf_moe-export-{uuid.uuid4().hex[:8]}"
-    try:
+    with staging_directory(target) as staging:
         native = _native_model(moe, config)
         native.save_pretrained(staging, max_shard_size=max_shard_size)
         result = NativeExport(target, config.model_type, type(native).__name__)
@@ -411,9 +413,6 @@ def export_native(
             _measure(moe, staging, result)
         (staging / "README.md").write_text(render_native_card(moe, config, result))
         _commit(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return result
 
 
@@ -432,7 +431,7 @@ def _source(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM | None, str 
             f"export_native takes an hf_moe MoEForCausalLM or the directory it was saved to, got "
             f"{type(moe_model_or_dir).__name__}. Convert a dense model first with hf_moe.convert_to_moe."
         )
-    if path is not None and Path(path).absolute() == target:
+    if path is not None and same_directory(path, target):
         raise NativeExportError(f"Export to a new directory: {target} holds the hf_moe model being exported.")
     return model, path
 
@@ -443,8 +442,9 @@ def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:
     if not source_dir or not os.path.isdir(source_dir):
         return
     for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(source_dir, name)):
-            shutil.copy2(os.path.join(source_dir, name), out / name)
+        path = Path(source_dir) / name
+        if path.is_file() and stays_inside(source_dir, path):  # (a link out of the checkpoint is not followed)
+            shutil.copy2(path, out / name)
 
 
 @torch.no_grad()

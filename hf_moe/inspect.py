@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import _EXPERT_KEY, INDEX_NAME, read_safetensors_header, validate_checkpoint
+from .checkpoint import _EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
 from .model_card import block_diff_text
 
 
@@ -33,16 +33,16 @@ class CheckpointSummary:
 
 
 def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
-    """Validate the directory, then count parameters and describe each file."""
+    """Validate the directory (nothing outside it is read), then count parameters and describe each file."""
     directory = Path(directory)
     validate_checkpoint(directory)
-    config = json.loads((directory / "config.json").read_text())
-    weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
+    config = json.loads(checkpoint_file(directory, "config.json", "the checkpoint").read_text())
+    weight_map, _ = read_index(directory)
     shards: dict[str, ShardInfo] = {}
     total = expert = 0
     for filename in sorted(set(weight_map.values())):
         info = shards[filename] = ShardInfo(filename)
-        for key, meta in read_safetensors_header(directory / filename).items():
+        for key, meta in read_safetensors_header(checkpoint_file(directory, filename, "the index")).items():
             if key == "__metadata__":
                 continue
             numel = math.prod(meta["shape"])

@@ -118,7 +118,12 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         **kwargs,
     ):
         """`PreTrainedModel.from_pretrained`, with the checkpoint checked first: a missing, truncated or corrupt
-        file, a missing tensor, or a checkpoint from a newer hf_moe is an error that names it.
+        file, a tensor of the wrong dtype or shape, a router holding NaN, a file outside the directory, or a
+        checkpoint from a newer hf_moe is an error that names it.
+
+        `verify_checksums`: hash every file and compare with the checksums recorded at save time (True), or only
+        the sizes and headers (False); the default (None) verifies checkpoints that record checksums (see
+        `hf_moe.checkpoint.VERIFY_CHECKSUMS_BY_DEFAULT`).
 
         Keyword arguments that name a config field (`output_router_logits=True`, `router_aux_loss_coef=0.0`,
         `num_experts_per_tok=1`, or any field of the base config) set it, as in transformers; unlike transformers,
@@ -127,7 +132,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         With `expert_parallel=True` (under torchrun / accelerate launch) each rank builds and reads only its own
         block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`).
         """
-        from .checkpoint import missing_keys_error, validate_checkpoint
+        from .checkpoint import missing_keys_error, recover_interrupted_commit, validate_checkpoint
 
         if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
             from .offload import load_offloaded  # experts read on demand into a bounded cache (hf_moe/offload)
@@ -135,10 +140,14 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             return load_offloaded(cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs)
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
-        if os.path.isdir(local_dir) and not kwargs.pop("_validated", False):
-            validate_checkpoint(local_dir)
+        verify_checksums = kwargs.pop("verify_checksums", None)
+        if not kwargs.pop("_validated", False) and (os.path.isdir(local_dir) or recover_interrupted_commit(path)):
+            # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
+            validate_checkpoint(local_dir, verify_checksums=False if expert_parallel else verify_checksums)
         if expert_parallel:
-            return cls._from_pretrained_expert_parallel(local_dir, model_args, kwargs, expert_parallel_size, process_group)
+            return cls._from_pretrained_expert_parallel(
+                local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
+            )
         config = kwargs.get("config")
         if isinstance(config, MoEConfig):
             kwargs["config"] = config = _with_config_kwargs(config, kwargs)
@@ -159,7 +168,9 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         return (model, info) if output_loading_info else model
 
     @classmethod
-    def _from_pretrained_expert_parallel(cls, directory, model_args, kwargs, expert_parallel_size, process_group):
+    def _from_pretrained_expert_parallel(
+        cls, directory, model_args, kwargs, expert_parallel_size, process_group, verify_checksums=None
+    ):
         """Load this rank's experts only: transformers loads from a view of the directory that lists the
         non-expert files and this rank's expert files, into a model whose experts hold this rank's block."""
         from . import parallel
@@ -170,7 +181,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         plan = parallel.build_plan(process_group, expert_parallel_size)
         config = MoEConfig.from_pretrained(directory)
         start, end = plan.expert_range(config.num_experts)
-        with local_expert_view(directory, start, end) as view, parallel.local_experts(plan):
+        with local_expert_view(directory, start, end, verify_checksums) as view, parallel.local_experts(plan):
             model = cls.from_pretrained(view, *model_args, _validated=True, **kwargs)
         model.config.name_or_path = directory
         return parallel.finish(model, plan)
@@ -251,6 +262,14 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
                     "`gradient_checkpointing_enable()` (use_reentrant=False).",
                     stacklevel=3,
                 )
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
+        so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
+        there, as transformers does for ZeRO-3 and FSDP."""
+        if kwargs.get("synced_gpus") is None and len(args) < 6 and getattr(self, "expert_parallel_plan", None):
+            kwargs["synced_gpus"] = torch.distributed.get_world_size() > 1
+        return super().generate(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Checkpoints and inspection

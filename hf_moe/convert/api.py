@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import os
 import re
 from typing import Any
@@ -250,10 +252,11 @@ def _check_method_options(method: str, given: dict, opts: dict) -> None:
         misplaced = [n for n in names if other != method and n in given and given[n] != OPTIONS[n]]
         if misplaced:
             raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
-    if not 0.0 <= opts["reinit_fraction"] <= 1.0:
-        raise ValueError(f"reinit_fraction must be between 0 and 1, got {opts['reinit_fraction']!r}.")
-    if opts["noise"] < 0:
-        raise ValueError(f"noise must be >= 0, got {opts['noise']!r}.")
+    for name, high, expected in (("reinit_fraction", 1.0, "between 0 and 1"), ("noise", math.inf, ">= 0 and finite")):
+        value = opts[name]
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and 0.0 <= value <= high):  # (NaN fails every comparison)
+            raise ValueError(f"{name} must be {expected}, got {value!r}.")
     if not isinstance(opts["num_shared_experts"], int) or opts["num_shared_experts"] < 0:
         raise ValueError(f"num_shared_experts must be an int >= 0, got {opts['num_shared_experts']!r}.")
     if method == "split":

@@ -17,8 +17,8 @@ import copy
 import json
 import math
 import os
-import shutil
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +31,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from ..compat import convert_file_size_to_int
 from ..checkpoint import (
+    SAFETENSORS_DTYPES,
+    CheckpointError,
     _finish,
-    _new_staging,
     _plan_shards,
+    _read_header,
+    checkpoint_file,
     checkpoint_state_dict,
     fused_key,
-    read_safetensors_header,
+    read_index,
+    resolve_output_directory,
+    same_directory,
     split_experts,
+    staging_directory,
 )
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
@@ -53,12 +59,7 @@ from .api import (
     resolve_options,
 )
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class StreamingUnsupported(ValueError):
@@ -92,6 +93,11 @@ def convert_checkpoint(
     if method == "split" and opts["partition"] == "coactivation":
         raise StreamingUnsupported("partition='coactivation' runs the whole model on calibration text.")
     src = Path(src)
+    if same_directory(src, out):
+        raise ValueError(
+            f"The output directory {out} is the source {src}: the conversion would replace the dense model it reads. "
+            "Choose another output directory."
+        )
     source = _SafetensorsSource(src)
     base_config = AutoConfig.from_pretrained(src)
     _check_model_type(base_config, str(src))
@@ -136,6 +142,7 @@ def convert_checkpoint(
             layout[key] = (block_dtypes[fused_key(key)[len(block_prefix[owner]) :]], meta.shape)
         elif key in names:
             src_dtype, shape = source.dtype_shape(names[key])
+            source.check(names[key], meta.dtype, meta.shape)
             layout[key] = (_cast_dtype(key, src_dtype, dtype, keep_fp32), shape)
             copied.append(key)
         else:
@@ -143,15 +150,11 @@ def convert_checkpoint(
 
     shards = _plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
                           convert_file_size_to_int(max_shard_size))
-    target = Path(out).absolute()
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"Cannot write the MoE checkpoint to {target}: it is a file, not a directory.")
+    target = resolve_output_directory(out, "Cannot write the MoE checkpoint to")
     if opts["verify"]:
         load_extension()  # a first-use compile happens here, not inside the progress bar (whose ETA it would skew)
-    staging = _new_staging(target)
     total = sum(math.prod(s) * d.itemsize for d, s in layout.values())
-    writer = _ShardWriter(staging, shards, layout)
-    try:
+    with staging_directory(target) as staging, _ShardWriter(staging, shards, layout) as writer:
         with tqdm(total=total, unit="B", unit_scale=True, desc="Streaming conversion", disable=not progress) as bar:
             writer.on_write = bar.update
             for key in copied:
@@ -182,10 +185,6 @@ def convert_checkpoint(
                 f"{str(working_dtype).removeprefix('torch.')}, eval mode",
             )
         _finish(moe, staging, target, [writer.weight_map])
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return moe
 
 
@@ -213,6 +212,7 @@ def _read_mlp(source, names, meta_layer, spec, layers_path, index, dtype, base_c
             key = f"{prefix}{owner_path}.{name}"
             if key not in names:
                 raise StreamingUnsupported(f"the checkpoint has no tensor for {key!r}.")
+            source.check(names[key], tensor.dtype, tensor.shape)
             state[name] = source.read(names[key]).to(dtype if tensor.is_floating_point() else tensor.dtype)
         owner.load_state_dict(state, strict=True, assign=True)
     return extract_mlp(layer, spec, base_config)
@@ -254,34 +254,34 @@ class _Entry:
 
 class _SafetensorsSource:
     """The tensors of a local safetensors checkpoint (one file or an index), read one at a time with `pread`
-    into fresh memory: reading a tensor costs its size, not a mapping of the file that stays resident."""
+    into fresh memory: reading a tensor costs its size, not a mapping of the file that stays resident. Every file
+    name the index gives is checked to stay inside the directory, and every header before use."""
 
     def __init__(self, directory: Path):
         if not directory.is_dir():
             raise FileNotFoundError(f"No model at {str(directory)!r}: the directory does not exist.")
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"{directory} has no config.json: it is not a saved Hugging Face model.")
+        checkpoint_file(directory, "config.json", "the source")  # a link out of the directory is refused
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = sorted(set(read_index(directory)[0].values()))
         elif (directory / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
             raise StreamingUnsupported(f"{directory} holds no safetensors weights (model.safetensors or an index).")
         self.entries: dict[str, _Entry] = {}
         for name in files:
-            path = directory / name
+            path = checkpoint_file(directory, name, str(index))
             if not path.is_file():
                 raise FileNotFoundError(f"{index} lists {name}, which is missing: re-download or re-save the model.")
-            header = read_safetensors_header(path)
-            base = 8 + struct.unpack("<Q", path.open("rb").read(8))[0]
+            header, raw = _read_header(path)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
-                if meta["dtype"] not in _DTYPES:
-                    raise StreamingUnsupported(f"{name} stores {key} as {meta['dtype']}, which streaming does not read.")
                 begin, end = meta["data_offsets"]
-                self.entries[key] = _Entry(path, _DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin)
+                dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+                self.entries[key] = _Entry(path, dtype, tuple(meta["shape"]), len(raw) + begin, end - begin)
 
     def float_dtype(self) -> torch.dtype:
         """The dtype most of the checkpoint's floating-point bytes are in."""
@@ -294,6 +294,22 @@ class _SafetensorsSource:
     def dtype_shape(self, key: str) -> tuple[torch.dtype, torch.Size]:
         e = self.entries[key]
         return e.dtype, torch.Size(e.shape)
+
+    def check(self, key: str, dtype: torch.dtype, shape: torch.Size) -> None:
+        """`key` has the shape the config gives the model's tensor, and a dtype of the same kind (floating or not):
+        a transposed or reshaped tensor, or integers where weights belong, would convert into a model that does not
+        load, or loads wrong."""
+        e = self.entries[key]
+        if torch.Size(e.shape) != shape:
+            raise CheckpointError(
+                f"{e.path.name} stores {key} with shape {list(e.shape)}, but the source's config.json makes it "
+                f"{list(shape)}: the file is corrupt or belongs to another model. Nothing was converted."
+            )
+        if e.dtype.is_floating_point != dtype.is_floating_point or e.dtype.is_complex != dtype.is_complex:
+            raise CheckpointError(
+                f"{e.path.name} stores {key} as {_NAMES.get(e.dtype, e.dtype)}, but the model holds it as "
+                f"{str(dtype).removeprefix('torch.')}: the file is corrupt. Nothing was converted."
+            )
 
     def match(self, model: nn.Module) -> dict[str, str]:
         """{model key: checkpoint key} for the model's state dict, with the base-model prefix added or removed
@@ -330,19 +346,52 @@ class _SafetensorsSource:
         return buffer.view(e.dtype).reshape(e.shape)
 
 
-class _ShardWriter:
-    """Output files whose headers are written first; each tensor is then written at its offset, in any order."""
+def max_open_files() -> int:
+    """How many output files the writer keeps open at once: an eighth of the soft descriptor limit, 2 to 64, so
+    that thousands of expert files convert under `ulimit -n 64`."""
+    try:
+        import resource
 
-    def __init__(self, directory: Path, shards: dict[str, dict[str, Any]], layout: dict):
-        self.files: dict[str, tuple[int, dict[str, tuple[int, int]]]] = {}  # filename -> (fd, {key: (start, n)})
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = 4096 if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, ValueError, OSError):  # not POSIX
+        soft = 256
+    return max(2, min(64, soft // 8))
+
+
+class _ShardWriter:
+    """Output files whose headers are written first; each tensor is then written at its offset, in any order.
+
+    At most `max_open` files are open at a time (the least recently used is closed to open another), so a model
+    with thousands of expert files converts under a low descriptor limit. A context manager: leaving it closes
+    every file.
+    """
+
+    def __init__(self, directory: Path, shards: dict[str, dict[str, Any]], layout: dict, max_open: int | None = None):
+        self.directory = directory
+        self.max_open = max_open or max_open_files()
+        self.open_files: OrderedDict[str, int] = OrderedDict()  # filename -> fd, least recently used first
+        self.offsets: dict[str, dict[str, tuple[int, int]]] = {}  # filename -> {key: (start, n)}
         self.file_of: dict[str, str] = {}
         self.pending: set[str] = set()
         self.on_write = lambda n: None
-        for filename, tensors in shards.items():
+        self.shards, self.layout = shards, layout
+
+    def __enter__(self):
+        try:
+            self._lay_out()
+        except BaseException:  # (`with` calls __exit__ only once __enter__ has returned)
+            self.abort()
+            raise
+        return self
+
+    def _lay_out(self) -> None:
+        """Create every file with its header, at its final size."""
+        for filename, tensors in self.shards.items():
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offsets, offset = {}, 0
             for key in tensors:  # _plan_shards gives them in natural order
-                dtype, shape = layout[key]
+                dtype, shape = self.layout[key]
                 nbytes = math.prod(shape) * dtype.itemsize
                 header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
                 offsets[key] = (offset, nbytes)
@@ -350,42 +399,60 @@ class _ShardWriter:
                 self.file_of[key] = filename
             blob = json.dumps(header, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)
-            fd = os.open(directory / filename, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # read: copy_file_range
+            fd = self._fd(filename, create=True)
             os.write(fd, struct.pack("<Q", len(blob)) + blob)
             os.ftruncate(fd, 8 + len(blob) + offset)
             base = 8 + len(blob)
-            self.files[filename] = (fd, {k: (base + s, n) for k, (s, n) in offsets.items()})
+            self.offsets[filename] = {k: (base + s, n) for k, (s, n) in offsets.items()}
             self.pending.update(tensors)
         self.weight_map = dict(self.file_of)
 
-    def write(self, key: str, tensor: torch.Tensor) -> tuple[int, int]:
-        """Write `tensor` at its place; returns (fd, offset) where its bytes now are."""
-        fd, offsets = self.files[self.file_of[key]]
-        start, nbytes = offsets[key]
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+    def _fd(self, filename: str, create: bool = False) -> int:
+        """An open descriptor of `filename` (read and write: `copy_file_range` reads), opening it if needed."""
+        fd = self.open_files.get(filename)
+        if fd is not None:
+            self.open_files.move_to_end(filename)
+            return fd
+        while len(self.open_files) >= self.max_open:
+            os.close(self.open_files.popitem(last=False)[1])
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = self.open_files[filename] = os.open(self.directory / filename, flags, 0o644)
+        return fd
+
+    def write(self, key: str, tensor: torch.Tensor) -> tuple[str, int]:
+        """Write `tensor` at its place; returns (file, offset) where its bytes now are."""
+        filename = self.file_of[key]
+        start, nbytes = self.offsets[filename][key]
         data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         if len(data) != nbytes:
             raise AssertionError(f"{key}: {len(data)} bytes instead of the {nbytes} planned")
+        fd = self._fd(filename)
         done = 0
         while done < nbytes:
             done += os.pwrite(fd, data[done:], start + done)
         self._written(key, nbytes)
-        return fd, start
+        return filename, start
 
     def write_many(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write several tensors; those that are views of the same memory (the identical experts of an upcycled
         block) are written once and then copied file to file by the kernel (`copy_file_range`, as `cp` does),
         without passing through this process again."""
-        first_copy: dict[tuple[int, int], tuple[int, int]] = {}
+        first_copy: dict[tuple[int, int], tuple[str, int]] = {}
         for key, tensor in tensors.items():
             same = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
             if tensor.is_contiguous() and same in first_copy and self._copy(key, *first_copy[same]):
                 continue
             first_copy[same] = self.write(key, tensor)
 
-    def _copy(self, key: str, src_fd: int, src_start: int) -> bool:
+    def _copy(self, key: str, src_file: str, src_start: int) -> bool:
         """Copy `key`'s bytes from where they were already written; False if the kernel cannot."""
-        fd, offsets = self.files[self.file_of[key]]
-        start, nbytes = offsets[key]
+        filename = self.file_of[key]
+        start, nbytes = self.offsets[filename][key]
+        src_fd = self._fd(src_file)
+        fd = self._fd(filename)  # opening it cannot close src_fd: that one was just used
         done = 0
         try:
             while done < nbytes:
@@ -404,10 +471,11 @@ class _ShardWriter:
 
     def close(self) -> None:
         if self.pending:
-            raise AssertionError(f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}")
+            raise AssertionError(
+                f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}"
+            )
         self.abort()
 
     def abort(self) -> None:
-        for fd, _ in self.files.values():
-            os.close(fd)
-        self.files = {}
+        while self.open_files:
+            os.close(self.open_files.popitem()[1])

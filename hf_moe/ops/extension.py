@@ -3,7 +3,8 @@
 Order of preference:
   1. `hf_moe._C`, built ahead of time by `HF_MOE_BUILD_EXT=1 pip install --no-build-isolation -e .`;
   2. a build of csrc/ with `torch.utils.cpp_extension.load` (ninja), made on first use and cached in
-     `$HF_MOE_CACHE/ext/<hash>` (default ~/.cache/hf_moe); the hash covers the sources, torch and Python;
+     `$HF_MOE_CACHE/ext/<hash>` (default ~/.cache/hf_moe); the hash covers the sources, Python, and the torch
+     install (its path and binaries, not only its version: two venvs with one torch version keep two builds);
   3. nothing: the pure-torch ops run, after one warning that says why.
 
 `HF_MOE_BACKEND=torch` skips 1 and 2; `HF_MOE_BACKEND=compiled` makes a failure an error.
@@ -56,11 +57,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("HF_MOE_CACHE", Path.home() / ".cache" / "hf_moe")) / "ext"
 
 
-def source_hash() -> str:
+def torch_install_key(torch_dir: str | os.PathLike | None = None) -> str:
+    """Which torch install a build links against: where it is, and the size and time of its binaries. Two
+    environments with the same torch version then keep separate builds (instead of rebuilding in turn), and a
+    reinstall of torch in place rebuilds. `torch_dir`: the torch package directory (default: the imported one)."""
+    torch_dir = Path(os.path.realpath(torch_dir or Path(torch.__file__).parent))
+    parts = [str(torch_dir), str(getattr(torch.version, "git_version", ""))]
+    for pattern in ("_C.*", "lib/libtorch*", "lib/libc10*"):
+        for path in sorted(torch_dir.glob(pattern)):
+            if path.is_file():
+                stat = path.stat()
+                parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return "\n".join(parts)
+
+
+def source_hash(torch_dir: str | os.PathLike | None = None) -> str:
+    """The build's cache key: the sources, the flags, Python, and the torch install (`torch_install_key`)."""
     h = hashlib.sha256()
     for path in [*(CSRC / s for s in HEADERS), *(CSRC / s for s in CPU_SOURCES)]:
         h.update(path.read_bytes())
     h.update(f"{torch.__version__} {sys.version_info[:2]} {CXX_FLAGS}".encode())
+    h.update(torch_install_key(torch_dir).encode())
     return h.hexdigest()[:16]
 
 
