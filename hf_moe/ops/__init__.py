@@ -1,13 +1,18 @@
 """Dispatch ops, their two implementations, and the expert computation built from them.
 
 `experts_forward(experts, hidden_states, top_k_index, top_k_weights)` is the one entry point of the MoE block
-(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs `ExpertsFunction` (experts.py) over
-one of two implementations of the ops:
+(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs the fused op, or `ExpertsFunction`
+(experts.py) composing the ops, of one of two implementations:
 
   * compiled: `torch.ops.hf_moe.*` from csrc/ (C++ with OpenMP on CPU, CUDA kernels on GPU), built on first use;
   * torch:    `reference.py`, always available, and the oracle the compiled kernels are tested against.
 
 `backend_report()` (and `python -m hf_moe.env`) says which one runs and why.
+
+The first call may be traced (`torch.compile(fullgraph=True)`, `torch.export`): what is decided on the host (loading
+or building the extension, picking the variant, naming a transformers experts module's activation) runs outside
+the traced region (`torch.compiler.assume_constant_result`, and no tensor is computed to decide), and every op
+that reaches a graph has a shape function and a backward formula of its own (extension.py, autograd.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 import torch
 
 from . import reference
+from .activations import activation_key
 from .experts import DispatchOps, ExpertsFunction, run_experts
 from .extension import backend_setting, load_extension
 
@@ -106,23 +112,35 @@ def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
     """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
     if _forced and _forced[-1] == "torch":
         return REFERENCE
-    _compiled()
     key = (device.type, activation)
-    if key not in _variants:  # a plain dict, not functools.cache: torch.compile traces through it
-        _variants[key] = _variant(*key)
+    _select(key)
     return _variants[key]
 
 
 _variants: dict[tuple[str, str], DispatchOps] = {}
 
 
-def _activation_of(experts: torch.nn.Module) -> str:
-    """The ACT2FN name of an experts module's activation: ours store it; transformers' are probed once."""
-    name = getattr(experts, "activation", None) or getattr(experts, "_hf_moe_activation", None)
-    if name is None:
-        from ..convert.adapters import activation_name
+@torch.compiler.assume_constant_result  # traced calls run it at trace time: loading is never traced
+def _select(key: tuple[str, str]) -> bool:
+    """Load (maybe build) the extension and pick the variant for `key` into `_variants`, once per key."""
+    if key not in _variants:
+        _compiled()
+        _variants[key] = _variant(*key)
+    return True
 
-        name = experts._hf_moe_activation = activation_name(experts.act_fn, getattr(experts, "config", None))
+
+def _activation_of(experts: torch.nn.Module) -> str:
+    """The ACT2FN name of an experts module's activation: ours store it; transformers' hold an ACT2FN module,
+    recognised by its class and settings (never by computing it, so traced calls see the same answer)."""
+    name = getattr(experts, "activation", None)
+    if name is None:
+        name = activation_key(experts.act_fn)
+    if name is None:
+        raise ValueError(
+            f"hf_moe cannot tell which activation {experts.act_fn!r} of {type(experts).__name__} computes: it is "
+            "not one that transformers' ACT2FN builds. Give the experts module an `activation` attribute naming "
+            "the ACT2FN key that computes the same function."
+        )
     return name
 
 
