@@ -134,7 +134,18 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
             )
             return None, ExtensionStatus(False, False, f"build failed: {reason}")
     register_fake_kernels()
+    register_autograd_formulas()
     return module, ExtensionStatus(True, bool(module.build_info()["cuda"]), how)
+
+
+@functools.cache
+def register_autograd_formulas() -> None:
+    """Backward formulas of the compiled ops (autograd.py), so that each op is differentiable by itself: an
+    exported program runs them with gradients (torch.export records them, not the autograd.Function around them)."""
+    from .autograd import register_composable, register_experts
+
+    register_experts("hf_moe::moe_experts_forward", torch.ops.hf_moe.moe_experts_backward)
+    register_composable("hf_moe")
 
 
 @functools.cache
