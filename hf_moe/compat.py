@@ -48,6 +48,12 @@ from transformers.integrations.moe import (
 from transformers.integrations.moe import _default_apply_gate as default_apply_gate
 
 
+def can_set_experts_implementation(model_class) -> bool:
+    """Whether a model class dispatches its experts through the ExpertsInterface (transformers' own test for
+    `experts_implementation="grouped_mm"`: the private classmethod `_can_set_experts_implementation`)."""
+    return model_class._can_set_experts_implementation()
+
+
 def attn_implementation(config) -> str | None:
     """The attention implementation a config runs with (`config._attn_implementation`, private in 5.x)."""
     return getattr(config, "_attn_implementation", None)
@@ -81,6 +87,7 @@ __all__ = [
     "TRANSFORMERS_VERSION",
     "WeightConverter",
     "attn_implementation",
+    "can_set_experts_implementation",
     "convert_file_size_to_int",
     "default_apply_gate",
     "grouped_mm_experts_forward",
