@@ -65,6 +65,12 @@ def register_output_recording(model) -> None:
         _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
+def can_set_experts_implementation(model_class) -> bool:
+    """Whether a model class dispatches its experts through the ExpertsInterface (transformers' own test for
+    `experts_implementation="grouped_mm"`: the private classmethod `_can_set_experts_implementation`)."""
+    return model_class._can_set_experts_implementation()
+
+
 def attn_implementation(config) -> str | None:
     """The attention implementation a config runs with (`config._attn_implementation`, private in 5.x)."""
     return getattr(config, "_attn_implementation", None)
@@ -130,6 +136,7 @@ __all__ = [
     "TritonGPUTarget",
     "WeightConverter",
     "attn_implementation",
+    "can_set_experts_implementation",
     "convert_file_size_to_int",
     "default_apply_gate",
     "grouped_mm_experts_forward",

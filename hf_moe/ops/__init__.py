@@ -1,8 +1,8 @@
 """Dispatch ops, their implementations, and the expert computation built from them.
 
 `experts_forward(experts, hidden_states, top_k_index, top_k_weights)` is the one entry point of the MoE block
-(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs `ExpertsFunction` (experts.py) over
-one of three implementations of the ops:
+(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs the fused op, or `ExpertsFunction`
+(experts.py) composing the ops, of one of three implementations:
 
   * compiled: `torch.ops.hf_moe.*` from csrc/ (C++ with OpenMP, CPU), built on first use;
   * triton:   `torch.ops.hf_moe_triton.*` from triton/ (GPU; CPU tensors under TRITON_INTERPRET=1), with torch's
@@ -12,6 +12,11 @@ one of three implementations of the ops:
 `HF_MOE_BACKEND` (extension.py): auto (default) runs compiled on CPU and triton on CUDA, falling back to torch
 with one warning; compiled makes that fallback an error; triton and torch force one implementation everywhere.
 `backend_report()` (and `python -m hf_moe.env`) says which one runs and why.
+
+The first call may be traced (`torch.compile(fullgraph=True)`, `torch.export`): what is decided on the host (loading
+or building the extension, picking the variant, naming a transformers experts module's activation) runs outside
+the traced region (`torch.compiler.assume_constant_result`, and no tensor is computed to decide), and every op
+that reaches a graph has a shape function and a backward formula of its own (extension.py, autograd.py).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import warnings
 import torch
 
 from . import reference
+from .activations import activation_key
 from .experts import DispatchOps, ExpertsFunction, run_experts
 from .extension import backend_setting, load_extension
 
@@ -145,29 +151,41 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
 
 def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
     """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
-    if _forced:
-        backend = _forced[-1]
-    else:
-        if device.type not in _chosen:  # plain dicts, not functools.cache: torch.compile traces through them
-            _chosen[device.type] = _choose(device.type)
-        backend = _chosen[device.type]
-    key = (backend, device.type, activation)
-    if key not in _variants:
-        _variants[key] = _variant(*key)
+    key = (_forced[-1] if _forced else None, device.type, activation)
+    _select(key)
     return _variants[key]
 
 
-_chosen: dict[str, str] = {}
-_variants: dict[tuple[str, str, str], DispatchOps] = {}
+_chosen: dict[str, str] = {}  # device type -> the backend HF_MOE_BACKEND selects there
+_variants: dict[tuple[str | None, str, str], DispatchOps] = {}
+
+
+@torch.compiler.assume_constant_result  # traced calls run it at trace time: loading and choosing are never traced
+def _select(key: tuple[str | None, str, str]) -> bool:
+    """Pick the ops for (forced backend or None, device type, activation) into `_variants`, once per key, loading
+    (maybe building) the extension on the way."""
+    if key not in _variants:
+        backend, device_type, activation = key
+        if backend is None:
+            if device_type not in _chosen:
+                _chosen[device_type] = _choose(device_type)
+            backend = _chosen[device_type]
+        _variants[key] = _variant(backend, device_type, activation)
+    return True
 
 
 def _activation_of(experts: torch.nn.Module) -> str:
-    """The ACT2FN name of an experts module's activation: ours store it; transformers' are probed once."""
-    name = getattr(experts, "activation", None) or getattr(experts, "_hf_moe_activation", None)
+    """The ACT2FN name of an experts module's activation: ours store it; transformers' hold an ACT2FN module,
+    recognised by its class and settings (never by computing it, so traced calls see the same answer)."""
+    name = getattr(experts, "activation", None)
     if name is None:
-        from ..convert.adapters import activation_name
-
-        name = experts._hf_moe_activation = activation_name(experts.act_fn, getattr(experts, "config", None))
+        name = activation_key(experts.act_fn)
+    if name is None:
+        raise ValueError(
+            f"hf_moe cannot tell which activation {experts.act_fn!r} of {type(experts).__name__} computes: it is "
+            "not one that transformers' ACT2FN builds. Give the experts module an `activation` attribute naming "
+            "the ACT2FN key that computes the same function."
+        )
     return name
 
 

@@ -25,8 +25,11 @@ import torch
 class DispatchOps:
     """One implementation of each op (pure-torch `reference` or compiled `torch.ops.hf_moe`), and its name.
 
-    `fused_forward` / `fused_backward`, when set, run the whole computation in one call each (compiled CPU);
-    otherwise `ExpertsFunction` composes the ops below.
+    `fused_forward` / `fused_backward`, when set, run the whole computation in one call each (compiled CPU), with
+    the schemas of `hf_moe::moe_experts_forward` / `moe_experts_backward`. `fused_forward` must be differentiable
+    by itself (`autograd.register_experts(op, fused_backward)`), so that tracers, torch.export included, keep it
+    as one node that runs with gradients. Otherwise `ExpertsFunction` composes the ops below; an exported program
+    then differentiates the ops of its forward one by one, so those need backward formulas too (autograd.py).
     """
 
     name: str
@@ -41,18 +44,40 @@ class DispatchOps:
     fused_backward: Callable | None = None
 
 
+def fused_forward_fake(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
+    """Shape function of every backend's `moe_experts_forward` (for torch.compile / torch.export):
+    (out [N, H], h [M, W] or [0, W] without save_h, sorted_slots [M], slot_to_row [M], tokens_per_expert [E],
+    row_weight [M])."""
+    m, new = top_k_index.numel(), hidden_states.new_empty
+    long = dict(dtype=torch.int64)
+    return (
+        new(hidden_states.shape), new(m if save_h else 0, w1.shape[1]), new(m, **long), new(m, **long),
+        new(w1.shape[0], **long), new(m),
+    )
+
+
+def fused_backward_fake(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
+                        activation, glu, need_x, need_weights, need_params):
+    """Shape function of every backend's `moe_experts_backward`: (grad_x, grad_top_k_weights [N, k], grad_w1,
+    grad_b1, grad_w2, grad_b2), each [0] when not asked for (or without that bias)."""
+    top_k = sorted_slots.shape[0] // x.shape[0] if x.shape[0] else 1
+    return (
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        row_weight.new_empty(x.shape[0], top_k) if need_weights else x.new_empty(0),
+        torch.empty_like(w1) if need_params else x.new_empty(0),
+        torch.empty_like(b1) if need_params and b1 is not None else x.new_empty(0),
+        torch.empty_like(w2) if need_params else x.new_empty(0),
+        torch.empty_like(b2) if need_params and b2 is not None else x.new_empty(0),
+    )
+
+
 class ExpertsFunction(torch.autograd.Function):
+    """The expert computation composed from the ops of a `DispatchOps` without fused ops."""
+
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, ops: DispatchOps):
         ctx.top_k, ctx.activation, ctx.glu, ctx.ops = top_k_index.shape[-1], activation, glu, ops
-        ctx.has_b1 = b1 is not None
         ctx.weights_dtype = top_k_weights.dtype
-        if ops.fused_forward is not None:
-            out, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight = ops.fused_forward(
-                x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, any(ctx.needs_input_grad)
-            )
-            ctx.save_for_backward(x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2)
-            return out
         top_k = top_k_index.shape[-1]
         sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, w1.shape[0])
         row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
@@ -71,18 +96,6 @@ class ExpertsFunction(torch.autograd.Function):
         ops, top_k = ctx.ops, ctx.top_k
         need_x, _, need_weights, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
         grad_x = grad_weights = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
-        if ops.fused_backward is not None:
-            need_params = need_w1 or need_b1 or need_w2 or need_b2
-            grads = ops.fused_backward(
-                grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
-                ctx.activation, ctx.glu, need_x, need_weights, need_params,
-            )
-            wanted = (need_x, need_weights, need_w1, need_b1, need_w2, need_b2)
-            grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2 = (g if w else None for g, w in zip(grads, wanted))
-            if grad_weights is not None:
-                grad_weights = grad_weights.reshape(-1, top_k).to(ctx.weights_dtype)
-            return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
-
         g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y
         grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
         # The backward of the activation recomputes it, and hands back `a` (= act(h) * w) for grad_w2.
@@ -127,4 +140,8 @@ def run_experts(
     """[N, H] -> [N, H] through each token's k experts (see the module docstring)."""
     x = hidden_states.contiguous()
     weights = top_k_weights.to(x.dtype)
-    return ExpertsFunction.apply(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, ops)
+    if ops.fused_forward is None:
+        return ExpertsFunction.apply(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, ops)
+    # The fused op keeps h for its backward only when one will run (h is [M, 2I]: inference does without it).
+    save_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, w1, b1, w2, b2))
+    return ops.fused_forward(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, save_h)[0]

@@ -172,7 +172,18 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
             )
             return None, ExtensionStatus(False, f"build failed: {reason}")
     register_fake_kernels()
+    register_autograd_formulas()
     return module, ExtensionStatus(True, how)
+
+
+@functools.cache
+def register_autograd_formulas() -> None:
+    """Backward formulas of the compiled ops (autograd.py), so that each op is differentiable by itself: an
+    exported program runs them with gradients (torch.export records them, not the autograd.Function around them)."""
+    from .autograd import register_composable, register_experts
+
+    register_experts("hf_moe::moe_experts_forward", torch.ops.hf_moe.moe_experts_backward)
+    register_composable("hf_moe")
 
 
 @functools.cache
@@ -212,25 +223,7 @@ def register_fake_kernels() -> None:
         scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
         return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
 
-    @torch.library.register_fake(lib + "moe_experts_forward")
-    def _(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
-        m, new = top_k_index.numel(), hidden_states.new_empty
-        long = dict(dtype=torch.int64)
-        return (
-            new(hidden_states.shape), new(m if save_h else 0, w1.shape[1]), new(m, **long), new(m, **long),
-            new(w1.shape[0], **long), new(m),
-        )
+    from .experts import fused_backward_fake, fused_forward_fake  # here: setup.py loads this module standalone
 
-    @torch.library.register_fake(lib + "moe_experts_backward")
-    def _(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2, activation,
-          glu, need_x, need_weights, need_params):
-        empty = x.new_empty(0)
-        top_k = sorted_slots.shape[0] // x.shape[0] if x.shape[0] else 1
-        return (
-            x.new_empty(x.shape) if need_x else empty,
-            row_weight.new_empty(x.shape[0], top_k) if need_weights else empty,
-            torch.empty_like(w1) if need_params else empty,
-            torch.empty_like(b1) if need_params and b1 is not None else empty,
-            torch.empty_like(w2) if need_params else empty,
-            torch.empty_like(b2) if need_params and b2 is not None else empty,
-        )
+    torch.library.register_fake(lib + "moe_experts_forward")(fused_forward_fake)
+    torch.library.register_fake(lib + "moe_experts_backward")(fused_backward_fake)

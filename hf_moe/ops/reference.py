@@ -12,6 +12,14 @@ Dispatch sorts the pairs by expert (stably), which makes every expert's rows one
 
 None of these ops reads a CUDA tensor on the host. `grouped_mm` reads the group sizes on the host on CPU, where
 that is free, and on CUDA without `grouped_mm` support (a fallback with one sync).
+
+Everything here traces (`torch.compile(fullgraph=True)`, `torch.export`): the one loop whose trip count depends on
+the data, over the experts' row groups, is the body of two torch.library ops, `hf_moe_torch::grouped_mm` and
+`hf_moe_torch::grouped_mm_weight_grad`, which a tracer records as one node each (with a shape function, and a
+backward formula for `grouped_mm`, see autograd.py). Loop-free formulations cost E times the FLOPs (every row
+through every expert) or an [M, K, out] gather of the weights; `torch.nn.functional.grouped_mm` is used where it
+traces, on CUDA in bf16 (on CPU, torch 2.13 traces it in bf16 only, and runs it eagerly in fp32/bf16 with 16-byte
+aligned strides, never in fp64).
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
+
+from .autograd import register_grouped_mm
 
 # Kernel activation name -> ACT2FN key. Other ACT2FN keys work here too (only here).
 KERNEL_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2"}
@@ -105,8 +115,32 @@ def grouped_mm(
             keep = covered.unsqueeze(1).to(b.dtype)
             out = out + b * (keep if bias_scale is None else keep * bias_scale.unsqueeze(1).to(b.dtype))
         return out
+    return torch.ops.hf_moe_torch.grouped_mm(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight)
+
+
+def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Tensor):
+    """[E, A, B]: grad_out[g]^T @ x[g] for each expert's row group g (zero for experts without rows).
+
+    Args:
+        grad_out: [M, A]; x: [M, B].
+    """
+    if _use_grouped_mm(x, grad_out):
+        return torch.nn.functional.grouped_mm(grad_out.t(), x, offs=_offsets(tokens_per_expert))
+    return torch.ops.hf_moe_torch.grouped_mm_weight_grad(grad_out, x, tokens_per_expert)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loops over row groups, as torch.library ops (tracers record them as one node; see the module docstring)
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.custom_op(
+    "hf_moe_torch::grouped_mm", mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor tokens_per_expert, Tensor? bias, Tensor? bias_scale, "
+           "bool transpose_weight) -> Tensor",
+)
+def _grouped_mm_loop(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight):
+    w = weight.transpose(-2, -1) if transpose_weight else weight  # [E, K, out]
     out = x.new_empty(x.shape[0], w.shape[-1])
-    sizes = tokens_per_expert.tolist()
+    sizes = tokens_per_expert.tolist()  # free on CPU; one sync on CUDA (only without grouped_mm support)
     out[sum(sizes) :].zero_()  # rows of dropped pairs
     start = 0
     for e, size in enumerate(sizes):
@@ -123,16 +157,17 @@ def grouped_mm(
     return out
 
 
-def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Tensor):
-    """[E, A, B]: grad_out[g]^T @ x[g] for each expert's row group g (zero for experts without rows).
+@_grouped_mm_loop.register_fake
+def _(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight):
+    return x.new_empty(x.shape[0], weight.shape[1] if transpose_weight else weight.shape[2])
 
-    Args:
-        grad_out: [M, A]; x: [M, B].
-    """
-    num_experts = tokens_per_expert.shape[0]
-    if _use_grouped_mm(x, grad_out):
-        return torch.nn.functional.grouped_mm(grad_out.t(), x, offs=_offsets(tokens_per_expert))
-    out = x.new_empty(num_experts, grad_out.shape[1], x.shape[1])
+
+@torch.library.custom_op(
+    "hf_moe_torch::grouped_mm_weight_grad", mutates_args=(),
+    schema="(Tensor grad_out, Tensor x, Tensor tokens_per_expert) -> Tensor",
+)
+def _grouped_mm_weight_grad_loop(grad_out, x, tokens_per_expert):
+    out = x.new_empty(tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1])
     start = 0
     for e, size in enumerate(tokens_per_expert.tolist()):
         if size:
@@ -141,6 +176,11 @@ def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_e
         else:
             out[e].zero_()
     return out
+
+
+@_grouped_mm_weight_grad_loop.register_fake
+def _(grad_out, x, tokens_per_expert):
+    return x.new_empty(tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1])
 
 
 def _activation(name: str) -> nn.Module:
@@ -184,14 +224,13 @@ def expert_act_backward(
     output [M, I] when `return_output`, else [0, I]: it is computed on the way, and the caller needs it next)."""
     width = h.shape[1] // 2 if glu else h.shape[1]
     gate = h[:, :width]
-    if activation not in KERNEL_ACTIVATIONS:  # any other ACT2FN activation: let autograd differentiate it
-        with torch.enable_grad():
-            h_ = h.detach().requires_grad_(True)
-            scale = row_scale.detach().requires_grad_(True) if row_scale is not None else None
-            out = expert_act(h_, scale, activation, glu)
-            grads = torch.autograd.grad(out, (h_,) if scale is None else (h_, scale), grad)
-        output = out.detach() if return_output else h.new_empty(0, width)
-        return grads[0], (grads[1] if scale is not None else h.new_empty(0)), output
+    if activation not in KERNEL_ACTIVATIONS:  # any other ACT2FN activation: differentiate it with torch.func
+        # (a vjp, not torch.autograd.grad: it works with gradients disabled, and Dynamo traces it in a backward)
+        inputs = (h,) if row_scale is None else (h, row_scale)
+        out, vjp = torch.func.vjp(lambda h, *scale: expert_act(h, *(scale or (None,)), activation, glu), *inputs)
+        grads = vjp(grad)
+        output = out if return_output else h.new_empty(0, width)
+        return grads[0], (grads[1] if row_scale is not None else h.new_empty(0)), output
     act = _activation(activation)(gate)
     value = act * h[:, width:] if glu else act  # the unscaled output
     grad_scale = h.new_empty(0)
@@ -205,10 +244,11 @@ def expert_act_backward(
             output = value * scale
     elif return_output:
         output = value
-    grad_h = torch.empty_like(h)
-    if glu:
-        torch.mul(grad, act, out=grad_h[:, width:])
-        grad_h[:, :width] = _activation_backward(activation, grad * h[:, width:], gate)
+    if glu:  # out-of-place (no out= into a slice): traced backward passes take only functional ops
+        grad_h = torch.cat([_activation_backward(activation, grad * h[:, width:], gate), grad * act], dim=1)
     else:
-        grad_h.copy_(_activation_backward(activation, grad, gate))
+        grad_h = _activation_backward(activation, grad, gate)
     return grad_h, grad_scale, output
+
+
+register_grouped_mm("hf_moe_torch")  # so that an exported program differentiates it (autograd.py)

@@ -68,5 +68,5 @@ def dispatch_ops(activation: str) -> DispatchOps:
     name = "triton" if activation in ops.ACTIVATIONS else "triton, activation in torch"
     return DispatchOps(
         name, t.sort_by_expert, t.permute, t.unpermute, t.grouped_mm, t.grouped_mm_weight_grad, fused.expert_act,
-        fused.expert_act_backward, fused.forward, fused.backward,
+        fused.expert_act_backward, t.moe_experts_forward, t.moe_experts_backward,
     )

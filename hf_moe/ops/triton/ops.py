@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..autograd import register_experts
+from ..experts import fused_backward_fake, fused_forward_fake
 from . import activation as _activation
 from . import grouped_gemm, routing
 from . import permute as _permute
@@ -175,3 +177,34 @@ def fused_experts(activation_name: str) -> FusedExperts:
     if activation_name in ACTIVATIONS:
         return FusedExperts(torch.ops.hf_moe_triton.expert_act, torch.ops.hf_moe_triton.expert_act_backward)
     return FusedExperts(reference.expert_act, reference.expert_act_backward)
+
+
+# The fused computation as two ops with the compiled CPU ops' schemas, the forward differentiable by itself
+# (autograd.register_experts): `run_experts` calls it directly, and torch.export keeps it as one node.
+@torch.library.custom_op(_NS + "moe_experts_forward", mutates_args=())
+def moe_experts_forward(
+    hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
+    b2: Optional[Tensor], activation: str, glu: bool, save_h: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out, h, *plan = fused_experts(activation).forward(
+        hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h
+    )
+    return (out, h if save_h else h.new_empty(0, h.shape[1]), *plan)
+
+
+@torch.library.custom_op(_NS + "moe_experts_backward", mutates_args=())
+def moe_experts_backward(
+    grad_out: Tensor, x: Tensor, h: Tensor, sorted_slots: Tensor, slot_to_row: Tensor, tokens_per_expert: Tensor,
+    row_weight: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
+    glu: bool, need_x: bool, need_weights: bool, need_params: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = fused_experts(activation).backward(
+        grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2, activation, glu,
+        need_x, need_weights, need_params,
+    )
+    return tuple(g.clone() if g.numel() == 0 else g for g in grads)  # custom ops return no output twice
+
+
+moe_experts_forward.register_fake(fused_forward_fake)
+moe_experts_backward.register_fake(fused_backward_fake)
+register_experts(_NS + "moe_experts_forward", moe_experts_backward)
