@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import INDEX_NAME, CheckpointError, read_safetensors_header
-from ..convert.stream import _DTYPES  # safetensors dtype names -> torch dtypes (one table for the package)
+from ..checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, CheckpointError, read_safetensors_header
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...],
 
     if not isinstance(meta, dict):
         raise bad("is not in its header")
-    dtype = _DTYPES.get(meta.get("dtype"))
+    dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
     if dtype is None or not dtype.is_floating_point:
         raise bad(f"has dtype {meta.get('dtype')!r}, not a floating-point type")
     if list(meta.get("shape", ())) != list(shape):
