@@ -760,7 +760,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{s.steps * s.tokens_per_step / 1e6:.2f}M tokens per run; AdamW lr {s.lr} (warmup {s.warmup}, cosine to "
           f"10%), {len(s.seeds)} seed(s); {args.jobs} run(s) at a time, {args.threads} thread(s) each", flush=True)
     if done:
-        print(f"resuming: {len(done)} runs already done in {runs_path} (--fresh starts over)", flush=True)
+        finished = sum(name in CONTESTANTS for name, _ in done)
+        print(f"resuming: {finished} of {len(CONTESTANTS) * len(s.seeds)} runs already done in {runs_path} "
+              "(--fresh starts over)", flush=True)
 
     tasks = []
     for turn, seed in enumerate(s.seeds):

@@ -16,6 +16,7 @@ import torch
 
 from conftest import tiny_dense
 from hf_moe import convert_to_moe
+from hf_moe.ops import use_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "quality.py"
@@ -69,7 +70,7 @@ def test_smoke_run_writes_table_plot_and_claims_then_resumes(tmp_path):
 
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming: 8 runs already done" in again.stdout
+    assert "resuming: 7 of 7 runs already done" in again.stdout
     assert " step " not in again.stdout  # nothing trained again
     assert (tmp_path / "quality.md").read_text() == report
 
@@ -108,7 +109,8 @@ def test_upcycled_optimizer_continues_the_dense_state():
         optimizer.step()
         optimizer.zero_grad()
     state = quality.named_optimizer_state(dense, optimizer)
-    moe = convert_to_moe(dense, num_experts=4, top_k=2)
+    with use_backend("torch"):
+        moe = convert_to_moe(dense, num_experts=4, top_k=2)
     moe_optimizer = quality.upcycled_optimizer(moe, state, quality.SMOKE)
     params = dict(moe.named_parameters())
     mlp = "model.layers.1.mlp."
@@ -120,7 +122,8 @@ def test_upcycled_optimizer_continues_the_dense_state():
     attention = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(moe_optimizer.state[params[attention]]["exp_avg"], state[attention]["exp_avg"])
     assert params[mlp + "gate.weight"] not in moe_optimizer.state  # the routers start fresh
-    moe(input_ids=ids, labels=ids).loss.backward()
+    with use_backend("torch"):  # the script's logic, not the kernels, is under test here
+        moe(input_ids=ids, labels=ids).loss.backward()
     moe_optimizer.step()  # AdamW accepts the mixed state
 
 
