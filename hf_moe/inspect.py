@@ -142,7 +142,7 @@ def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: in
     from transformers import AutoTokenizer
 
     from .modeling import MoEForCausalLM
-    from .routing import RouterRecorder, RoutingStats
+    from .routing import RoutingStats
 
     data_file = Path(data_file)
     if not data_file.is_file():
@@ -157,11 +157,11 @@ def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: in
         raise ValueError(f"{data_file} has no text to route.")
     stats = RoutingStats(len(model.config.moe_layers), model.config.num_experts, torch.device("cpu"))
     zero = torch.zeros(())
-    with torch.no_grad(), RouterRecorder(model) as recorder:
+    with torch.no_grad():
         for start in range(0, len(ids), block_size):
-            recorder.outputs.clear()
-            model(torch.tensor([ids[start : start + block_size]]))
-            for layer, routing in enumerate(recorder.outputs):
+            with model.base_model.router_recorder.recording() as routings:
+                model(torch.tensor([ids[start : start + block_size]]))
+            for layer, routing in enumerate(routings):
                 stats.add(layer, routing, None, zero)
     return model.config, stats.summary(), len(ids)
 

@@ -425,6 +425,10 @@ def install_moe_blocks(model: nn.Module, config: MoEConfig, blocks: dict[int, nn
         register_output_recording(backbone)  # transformers looks up what to record by the class name
         backbone.router_recorder = RouterRecorder()
         backbone._routing_stats = RoutingStats(len(config.moe_layers), config.num_experts)
+    if config.decoder_layers_path is None:  # a config made with MoEConfig.from_base rather than by conversion
+        from .convert.adapters import find_decoder_layers
+
+        config.decoder_layers_path = find_decoder_layers(model)[0]
     layers = model.get_submodule(config.decoder_layers_path)
     for i in config.moe_layers:
         block = blocks[i] if blocks is not None else SparseMoeBlock(config)

@@ -99,3 +99,25 @@ print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())
 """)
     assert check.returncode == 0, check.stderr
     assert check.stdout.strip() == "[1, 1, 2]"
+
+
+def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
+    """torch's builder holds a `lock` file while it builds; a build killed midway left it, and every later process
+    waited on it forever. Under hf_moe's own flock (released when a process dies) such a file is stale and goes."""
+    import shutil
+
+    from hf_moe.ops.extension import _cache_dir
+
+    load_extension()  # the current build, to copy (so the test does not compile)
+    built = _cache_dir() / source_hash()
+    cache = tmp_path / "cache"
+    shutil.copytree(built, cache / "ext" / built.name, ignore=shutil.ignore_patterns("lock", "*.lock"))
+    (cache / "ext" / built.name / "lock").touch()  # as a killed build leaves it
+    env = {**os.environ, "HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"}
+    result = subprocess.run(
+        [sys.executable, "-c", "from hf_moe.ops import load_extension; print(load_extension()[1].how)"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "left by a build of the extension that was killed" in result.stderr
+    assert not (cache / "ext" / built.name / "lock").exists()

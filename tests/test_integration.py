@@ -250,3 +250,15 @@ def test_first_use_compile_says_what_it_does_and_how_long_it_took(capsys):
     with _elapsed("nothing to build", enabled=False):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_model_from_scratch_with_from_base():
+    """`MoEForCausalLM(MoEConfig.from_base(...))` failed: the config had no decoder_layers_path (only conversion set
+    it). The model finds its decoder layers, records the path, and saves and loads."""
+    from transformers import LlamaConfig
+
+    base = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    model = MoEForCausalLM(MoEConfig.from_base(base, num_experts=4, num_experts_per_tok=2))
+    assert model.config.decoder_layers_path == "model.layers" and len(moe_blocks(model)) == 2
+    out = model(random_ids(), labels=random_ids())
+    assert torch.isfinite(out.loss) and out.aux_loss is not None

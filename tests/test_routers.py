@@ -80,6 +80,24 @@ def test_router_options_are_validated():
 def test_paper_defaults_for_switch_and_gshard():
     switch = convert_to_moe(tiny_dense(), num_experts=4, top_k=1, router_type="switch").config
     assert (switch.capacity_factor, switch.eval_capacity_factor, switch.router_jitter_noise) == (1.25, 2.0, 0.01)
+    assert (switch.norm_topk_prob, switch.router_weights) == (False, "unit")
+
+
+def test_switch_router_learns_from_the_lm_loss_and_upcycles_exactly():
+    """With norm_topk_prob=True a top-1 weight is p / p = 1 with no gradient: the router's LM-loss gradient was
+    1e-9. Unit weights (p / p.detach()) keep the value 1 and pass the gradient of log p."""
+    dense = tiny_dense()
+    ids = random_ids()
+    moe = convert_to_moe(dense, num_experts=4, top_k=1, router_type="switch", router_aux_loss_coef=0.0,
+                         capacity_factor=None, eval_capacity_factor=None)  # dropless: nothing else differs
+    with torch.no_grad():
+        torch.testing.assert_close(moe.eval()(ids).logits, dense(ids).logits, rtol=0, atol=1e-5)
+    moe.train()
+    moe(ids, labels=ids).loss.backward()
+    grad = moe_blocks(moe)[0].gate.weight.grad
+    assert grad is not None and grad.norm() > 1e-4
+    with pytest.warns(UserWarning, match="norm_topk_prob=True weights every expert output by exactly 1"):
+        convert_to_moe(tiny_dense(), num_experts=4, top_k=1, router_type="switch", norm_topk_prob=True)
     gshard = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="gshard", capacity_factor=None).config
     assert gshard.capacity_factor is None  # the caller's choice wins over the default
     assert convert_to_moe(tiny_dense(), num_experts=4, top_k=2).config.capacity_factor is None  # dropless default

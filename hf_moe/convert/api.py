@@ -55,7 +55,11 @@ CONFIG_OPTIONS = [
 ]
 # The papers' settings, used unless the caller sets the option.
 ROUTER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "switch": {"capacity_factor": 1.25, "eval_capacity_factor": 2.0, "router_jitter_noise": 0.01},
+    # Renormalised over its one expert, a top-1 weight is p / p = 1 with no gradient: the router would learn nothing
+    # from the LM loss. Unit weights (p / p.detach()) keep the value 1, so the upcycled model stays exact, and give
+    # the router the gradient of log p (straight-through).
+    "switch": {"capacity_factor": 1.25, "eval_capacity_factor": 2.0, "router_jitter_noise": 0.01,
+               "norm_topk_prob": False, "router_weights": "unit"},
     "gshard": {"capacity_factor": 2.0, "eval_capacity_factor": 2.0},
     "aux_free": {"router_aux_loss_coef": 0.0},  # the bias does the balancing
 }

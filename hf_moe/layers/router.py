@@ -22,6 +22,7 @@ Register your own with `@register_router("name")` on a `Router` subclass; the bu
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -226,13 +227,25 @@ class NoisyTopKRouter(Router):
 class SwitchRouter(Router):
     """Top-1 routing with multiplicative jitter on the router input in training (Switch Transformer).
 
-    The expert output is scaled by its router probability (renormalised to 1 with `norm_topk_prob`).
+    The expert output is scaled by its router probability p, which is how the router learns from the LM loss.
+    `router_weights="unit"` scales it by p / p.detach() instead: the value is 1 (an upcycled model stays exact)
+    and the gradient is that of log p; `convert_to_moe(router_type="switch")` does that. With `norm_topk_prob` the
+    weight is renormalised over the one expert to exactly 1 and the router gets no gradient but the balancing
+    loss's (a warning says so).
     """
 
     def __init__(self, config):
         super().__init__(config)
         if self.top_k != 1:
             raise ValueError(f"The switch router sends each token to one expert: set top_k=1 (got {self.top_k}).")
+        if self.norm_topk_prob:
+            warnings.warn(
+                "router_type='switch' with norm_topk_prob=True weights every expert output by exactly 1 with no "
+                "gradient, so the router learns nothing from the LM loss (only from the balancing loss). Set "
+                "norm_topk_prob=False (Switch Transformer's weighting), with router_weights='unit' to keep an "
+                "upcycled model exact (what convert_to_moe does for the switch router).",
+                stacklevel=3,
+            )
         self.jitter = config.router_jitter_noise
 
     def route(self, hidden_states):

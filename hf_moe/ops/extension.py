@@ -89,19 +89,45 @@ def build(verbose: bool = False):
     digest = source_hash()
     build_dir = _cache_dir() / digest
     build_dir.mkdir(parents=True, exist_ok=True)
-    fresh = not (build_dir / f"hf_moe_ext_{digest}.so").exists()
-    what = f"the C++ extension ({len(sources)} files)"
-    with _elapsed(f"hf_moe: compiling {what}, once for this torch; HF_MOE_BACKEND=torch skips it", enabled=fresh):
-        module = load(
-            name=f"hf_moe_ext_{digest}",
-            sources=sources,
-            build_directory=str(build_dir),
-            extra_cflags=CXX_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            with_cuda=False,
-            verbose=verbose,
-        )
+    with _exclusive(build_dir):
+        fresh = not (build_dir / f"hf_moe_ext_{digest}.so").exists()
+        what = f"the C++ extension ({len(sources)} files)"
+        with _elapsed(f"hf_moe: compiling {what}, once for this torch; HF_MOE_BACKEND=torch skips it", enabled=fresh):
+            module = load(
+                name=f"hf_moe_ext_{digest}",
+                sources=sources,
+                build_directory=str(build_dir),
+                extra_cflags=CXX_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                with_cuda=False,
+                verbose=verbose,
+            )
     return module, f"built in {build_dir}"
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path):
+    """Hold an exclusive `flock` on the build directory while building or loading a build. The kernel releases it
+    when its process dies, unlike the `lock` file torch's builder creates, which a build killed midway leaves
+    behind and every later process then waits on forever: under the flock no other hf_moe process is building,
+    so such a file is stale and goes."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own lock file only
+        yield
+        return
+    with open(build_dir / "hf_moe-build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"hf_moe: another process is building the extension in {build_dir}; waiting for it.",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"  # torch.utils.cpp_extension's FileBaton
+        if stale.exists():
+            stale.unlink()
+            print(f"hf_moe: removed {stale}, left by a build of the extension that was killed.", file=sys.stderr)
+        yield
 
 
 @contextlib.contextmanager
