@@ -20,7 +20,7 @@ from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
 from .ops import experts_interface
 from ._import_hooks import when_imported
-from .parallel import expert_parallel
+from .parallel import expert_parallel, parallelize
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
@@ -35,10 +35,8 @@ register_checkpoint_conversion_mapping(
     overwrite=True,
 )
 # Patches of training libraries, applied when those are imported (they take seconds to import): the plain Trainer
-# resumes hf_moe checkpoints and refuses expert-parallel models; Accelerator.clip_grad_norm_ uses the global norm
-# when experts are sharded across ranks.
+# resumes hf_moe checkpoints.
 when_imported("transformers.trainer", lambda _: __import__("hf_moe.training.trainer_compat").training.trainer_compat.install())
-when_imported("accelerate.accelerator", lambda _: __import__("hf_moe.parallel.clip").parallel.clip.install())
 experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
 
 _LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
@@ -73,6 +71,7 @@ __all__ = [
     "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",
+    "parallelize",
     "export_native",
     "load_balancing_loss",
     "register_router",

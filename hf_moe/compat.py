@@ -64,9 +64,19 @@ def trainer_file_names() -> tuple[str, str]:
     return SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 
+def declare_sharded_at_load(model) -> None:
+    """Mark a model that owns its sharding and gradient reduction (FSDP2 applied by `hf_moe.parallelize`), the way
+    `from_pretrained(distributed_config=...)` marks its models: transformers.Trainer then neither wraps it in DDP
+    nor shards it again, and calls `save_pretrained` on every process. The public read side is
+    `PreTrainedModel.is_distributed_loading_by_transformers`; its backing attribute is private (transformers 5.x)."""
+    if hasattr(type(model), "_is_distributed_loading_by_transformers"):
+        model._is_distributed_loading_by_transformers = True
+
+
 # MoETrainer overrides these private Trainer methods; they exist with these signatures in every TESTED release:
-#   _save(output_dir, state_dict), _save_optimizer_and_scheduler(output_dir),
-#   _load_optimizer_and_scheduler(checkpoint).
+#   _save_optimizer_and_scheduler(output_dir), _load_optimizer_and_scheduler(checkpoint),
+#   _load_from_checkpoint(resume_from_checkpoint, model=None), _defer_fsdp_gradient_reduction() (a context manager),
+# and sets the Trainer attribute `is_distributed_loading_by_transformers` that Trainer.__init__ reads from the model.
 # MoEForCausalLM overrides the private classmethod PreTrainedModel._from_config(config, **kwargs), which
 # AutoModelForCausalLM.from_config calls.
 
@@ -82,6 +92,7 @@ __all__ = [
     "WeightConverter",
     "attn_implementation",
     "convert_file_size_to_int",
+    "declare_sharded_at_load",
     "default_apply_gate",
     "grouped_mm_experts_forward",
     "init",
