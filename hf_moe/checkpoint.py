@@ -204,8 +204,8 @@ def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int) -> No
 
 
 def _local_state_dict(model, state_dict, whole_local_experts) -> dict[str, torch.Tensor]:
-    """The tensors this process contributes, under on-disk keys: the experts it stores whole (per expert, views, no
-    communication) and every non-expert tensor as it is (DTensor or plain; `_save_expert_parallel` gathers)."""
+    """The tensors this process contributes, under on-disk keys: its share of the experts (per expert; see
+    `whole_local_experts`) and every non-expert tensor as it is (DTensor or plain; `_save_expert_parallel` gathers)."""
     fused = {
         f"{module_name}.{name}": experts
         for module_name, experts in model.named_modules()
@@ -217,9 +217,9 @@ def _local_state_dict(model, state_dict, whole_local_experts) -> dict[str, torch
         if key not in fused:
             out[key] = tensor
             continue
-        local, first = whole_local_experts(fused[key], tensor)
+        local, ids = whole_local_experts(fused[key], tensor)
         head, _, name = key.rpartition(".")
-        out.update({f"{head}.{first + e}.{name}": local[e] for e in range(local.shape[0])})
+        out.update({f"{head}.{e}.{name}": local[i] for i, e in enumerate(ids)})
     return out
 
 

@@ -95,6 +95,7 @@ def test_ep_x_fsdp2_gradients_clipping_and_steps_equal_single_process(parallel_r
         "torch.nn.utils.clip_grad_norm_ returns the single-process norm (world 4, EP 2 x dp 2)",
         "3 training steps equal single process (world 4, EP 2 x dp 2)",
         "EP inside a node, FSDP across nodes",
+        "3 experts per block over 2 processes: sliced on dim 1",
     )
     _assert_passed(
         parallel_runs["two"],
@@ -127,9 +128,10 @@ def test_sharded_save_pretrained_and_memory_arithmetic(parallel_runs):
         parallel_runs["four"],
         "save_pretrained from EP 2 x FSDP 2 writes the per-expert layout",
         "the EP 2 x FSDP 2 save loads with EP 4",
-        "hf-moe plan's bytes per rank equal the local tensors (EP 2 x dp 2)",
+        "hf-moe plan's bytes per rank equal the local tensors (8 experts, EP 2 x dp 2)",
+        "hf-moe plan's bytes per rank equal the local tensors (6 experts, EP 2 x dp 2)",
     )
-    _assert_passed(parallel_runs["two"], "hf-moe plan's bytes per rank equal the local tensors (EP 2 x dp 1)")
+    _assert_passed(parallel_runs["two"], "hf-moe plan's bytes per rank equal the local tensors (8 experts, EP 2 x dp 1)")
 
 
 @pytest.mark.distributed

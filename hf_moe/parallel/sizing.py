@@ -3,7 +3,7 @@
 The computation builds the model on the meta device (no memory) and applies `hf_moe.parallelize`'s placement to
 every parameter's shape, rank by rank, exactly as FSDP2 chunks it (torch.chunk along dim 0):
 
-    expert parameter [E, ...]     block of E / ep experts on "ep", chunked over "dp"
+    expert parameter [E, ...]     block of E / ep experts on "ep", chunked over "dp" (on dim 0 or 1: shard.py)
     other parameter  [n, ...]     chunked over "ep", replicated along "dp" (hybrid sharding)
 
 Per parameter element it counts: weights and gradients in `dtype`; AdamW's exp_avg and exp_avg_sq in
@@ -15,7 +15,7 @@ hold the two equal.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +39,9 @@ class Estimate:
     layout: Layout
     by_rank: list[dict[str, int]]  # weights, gradients, optimizer bytes of each rank, in mesh order (d * ep + p)
     activations: int  # rough, per rank, for one micro-batch without activation checkpointing
+    gathered: int  # the largest FSDP2 unit gathered for compute: its weights and, in backward, its gradients
     all_to_all_per_step: int  # bytes each rank sends and receives per optimizer step (forward and backward)
-    experts_per_rank: int  # at most
+    experts_per_rank: float  # the largest rank's share of experts (a fraction when they are sliced on dim 1)
 
     @property
     def per_rank(self) -> dict[str, int]:
@@ -49,7 +50,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return max(sum(r.values()) for r in self.by_rank) + self.activations
+        return max(sum(r.values()) for r in self.by_rank) + self.activations + self.gathered
 
 
 def _chunks(n: int, parts: int) -> list[int]:
@@ -79,6 +80,7 @@ def estimate(
 ) -> Estimate:
     """Bytes per rank of `config`'s MoE model under `layout` (see the module docstring)."""
     from ..layers import Experts
+    from .shard import expert_shard_dim
 
     model = meta_model(config) if model is None else model
     e = config.num_experts
@@ -96,12 +98,15 @@ def estimate(
         rows = param.shape[0] if param.dim() else 1
         for d in range(layout.dp):
             for p in range(layout.ep):
-                if id(param) in expert_ids:
-                    local = _chunks(block, layout.dp)[d]
+                if id(param) not in expert_ids:
+                    local = _chunks(rows, layout.ep)[p] * rest
+                elif expert_shard_dim(block, layout.dp, param.shape) == 0:
+                    local = _chunks(block, layout.dp)[d] * rest
                 else:
-                    local = _chunks(rows, layout.ep)[p]
-                numel[d * layout.ep + p] += local * rest
+                    local = block * rest // layout.dp
+                numel[d * layout.ep + p] += local
                 tensors[d * layout.ep + p] += 1
+    sliced = any(expert_shard_dim(block, layout.dp, p.shape) for p in model.parameters() if id(p) in expert_ids)
     by_rank = [
         {"weights": n * elt, "gradients": n * elt, "optimizer": n * (2 * opt_elt + master) + t * ADAM_STEP_BYTES}
         for n, t in zip(numel, tensors)
@@ -114,9 +119,29 @@ def estimate(
         layout=layout,
         by_rank=by_rank,
         activations=activation_bytes(config, tokens, elt),
+        gathered=gathered_bytes(model, config, layout, elt),
         all_to_all_per_step=all_to_all,
-        experts_per_rank=_chunks(block, layout.dp)[0],
+        experts_per_rank=block / layout.dp if sliced else _chunks(block, layout.dp)[0],
     )
+
+
+def gathered_bytes(model, config, layout: Layout, elt: int) -> int:
+    """The parameters FSDP2 holds gathered for compute, and their unsharded gradients in the backward, in `dtype`:
+    the root unit (embeddings, final norm, LM head: gathered for the whole step) plus the largest decoder layer
+    (its other parameters whole, its experts' block of E / ep)."""
+    from ..layers import Experts
+
+    layers = model.get_submodule(config.decoder_layers_path)
+    in_layers = {id(p) for p in layers.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_layers)
+    largest = 0
+    for layer in layers:
+        n = 0
+        for module in layer.modules():
+            for param in module.parameters(recurse=False):
+                n += param.numel() // layout.ep if isinstance(module, Experts) else param.numel()
+        largest = max(largest, n)
+    return 2 * (root + largest) * elt
 
 
 def activation_bytes(config, tokens: int, elt: int) -> int:
@@ -138,10 +163,6 @@ def activation_bytes(config, tokens: int, elt: int) -> int:
     moe_layers = len(config.moe_layers)
     per_token = layers * attention * elt + moe_layers * moe * elt + (layers - moe_layers) * 3 * dense_i * elt
     return tokens * (per_token + 4 * text.vocab_size)
-
-
-def all_to_all_description() -> str:
-    return "per rank and step: 4 x tokens x k x H x bytes x (ep - 1) / ep per MoE layer (dispatch and combine, forward and backward)"
 
 
 def candidate_layouts(num_experts: int, gpus: int, gpus_per_node: int) -> list[Layout]:
@@ -169,12 +190,3 @@ def measured_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
             _local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
         )
     return out
-
-
-@dataclass
-class PlanReport:
-    """What `hf-moe plan` prints: one Estimate per candidate layout, and whether it fits."""
-
-    rows: list[Estimate]
-    gpu_memory: int
-    notes: list[str] = field(default_factory=list)

@@ -47,9 +47,9 @@ def ok(name: str) -> None:
         print("OK", name, flush=True)
 
 
-def make_model(seed: int = 0) -> MoEForCausalLM:
+def make_model(seed: int = 0, num_experts: int = NUM_EXPERTS) -> MoEForCausalLM:
     """The same tiny MoE on every process: 8 experts (noised so they differ), top-2, aux and z losses on."""
-    moe = convert_to_moe(tiny_dense(seed=seed), num_experts=NUM_EXPERTS, top_k=2, noise=0.05,
+    moe = convert_to_moe(tiny_dense(seed=seed), num_experts=num_experts, top_k=2, noise=0.05,
                          router_aux_loss_coef=1.0, router_z_loss_coef=0.1)
     return moe.train()
 
@@ -160,16 +160,37 @@ def expert_layout(model) -> None:
     plan = sharded.expert_parallel_plan
     assert (plan.dp_size, plan.ep_size, plan.dp_rank, plan.ep_rank) == (2, 2, RANK // 2, RANK % 2), plan
     experts = sharded.model.layers[1].mlp.experts
-    local, first = whole_local_experts(experts, experts.down_proj)
-    assert first == 4 * plan.ep_rank + 2 * plan.dp_rank and local.shape[0] == 2, (first, local.shape)
+    local, ids = whole_local_experts(experts, experts.down_proj)
+    first = 4 * plan.ep_rank + 2 * plan.dp_rank
+    assert ids == [first, first + 1] and experts.down_proj.to_local().shape[0] == 2, (ids, local.shape)
     torch.testing.assert_close(local, model.model.layers[1].mlp.experts.down_proj[first : first + 2], rtol=0, atol=0)
     owned: list = [None] * WORLD
-    dist.all_gather_object(owned, list(range(first, first + local.shape[0])))
+    dist.all_gather_object(owned, ids)
     assert sorted(e for ids in owned for e in ids) == list(range(NUM_EXPERTS)), owned
     assert sharded.model.layers[0].self_attn.q_proj.weight.placements == (Replicate(), Shard(0))
     meshes = {p.device_mesh for p in sharded.parameters()}
     assert meshes == {plan.mesh}, meshes
     ok("EP inside a node, FSDP across nodes: each expert stored whole on one process, one mesh for all parameters")
+
+
+def sliced_experts(out: Path) -> None:
+    """6 experts, EP 2 x "dp" 2: a block of 3 experts does not divide over 2 processes, so FSDP2 shards the experts on
+    dim 1 (each process a slice of all 3). Gradients, memory (exactly half a block each) and the save still hold."""
+    model = make_model(num_experts=6)
+    ref = copy.deepcopy(model)
+    _, grads, _ = reference_step(ref, 0, WORLD)
+    sharded = hf_moe.parallelize(copy.deepcopy(model), expert_parallel_size=2)
+    experts = sharded.model.layers[0].mlp.experts
+    assert experts.down_proj.placements[0].dim == 1 and experts.down_proj.to_local().shape == (3, 32, 96)
+    sharded_step(sharded, 0)
+    check_grads(sharded, grads, "6 experts sliced on dim 1")
+    weights = {n: full(p).detach().clone() for n, p in sharded.named_parameters()}
+    sharded.save_pretrained(out / "sliced")
+    if RANK == 0:
+        loaded = MoEForCausalLM.from_pretrained(out / "sliced")
+        for name, param in loaded.named_parameters():
+            torch.testing.assert_close(param.detach(), weights[name], rtol=0, atol=0, msg=name)
+    ok("3 experts per block over 2 processes: sliced on dim 1, gradients and save equal single-process")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -245,7 +266,8 @@ def plan_arithmetic(model, ep: int) -> None:
     expected = estimate(model.config, Layout(ep=ep, dp=WORLD // ep), dtype=torch.float32, optimizer_dtype=torch.float32)
     for key in ("weights", "gradients", "optimizer"):
         assert measured[key] == expected.per_rank[key], (RANK, key, measured[key], expected.per_rank[key])
-    ok(f"hf-moe plan's bytes per rank equal the local tensors (EP {ep} x dp {WORLD // ep})")
+    ok(f"hf-moe plan's bytes per rank equal the local tensors ({model.config.num_experts} experts, EP {ep} x dp "
+       f"{WORLD // ep})")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -452,9 +474,11 @@ def main(mode: str, out: str) -> None:
         gradients_and_clip(model, 2, "world 4, EP 2 x dp 2")
         three_steps(model, 2, "world 4, EP 2 x dp 2")
         expert_layout(model)
+        sliced_experts(out)
         by_hand(model)
         save_sharded(model, out)
         plan_arithmetic(model, 2)
+        plan_arithmetic(make_model(num_experts=6), 2)
         elastic(make_model(), out, None, "state-4")
     elif mode == "two":
         gradients_and_clip(model, 2, "world 2, EP 2")
