@@ -94,6 +94,7 @@ def save_training_state(
         save(
             {"model": model_state, "optimizer": optimizer_state, f"rng.rank{rank}": _rng_state()},
             checkpoint_id=staging / DCP_DIR,
+            no_dist=not _distributed(),
         )
         if rank == 0:
             if scheduler is not None:
@@ -151,6 +152,11 @@ def _check_position(position, where: str) -> dict[str, int]:
     return position
 
 
+def _last_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def read_training_state_meta(directory: str | os.PathLike) -> dict:
     """The validated `training_state.json` of `directory` (raises TrainingStateError naming what is wrong)."""
     directory = Path(directory)
@@ -195,6 +201,7 @@ def load_training_state(
     RNG, with a warning.
     """
     from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     directory = Path(directory)
@@ -220,11 +227,11 @@ def load_training_state(
             "Resume with the model (architecture, MoE layers, number of experts) that saved it."
         )
     try:
-        load(state, storage_reader=reader)
-    except Exception as err:
+        load(state, storage_reader=reader, no_dist=not _distributed())
+    except (Exception, CheckpointException) as err:  # DCP's exception derives from BaseException
         raise TrainingStateError(
-            f"Loading {directory} into this model and optimizer failed ({type(err).__name__}: {err}). Resume with "
-            "the model and optimizer type (and parameter groups) that saved it."
+            f"{directory} does not match this model and optimizer: {_last_line(err)}. Resume with the model "
+            "(architecture, number of experts, sizes) and optimizer type (and parameter groups) that saved it."
         ) from err
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     rng = state.get(f"rng.rank{rank}", {})
