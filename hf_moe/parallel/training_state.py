@@ -19,6 +19,7 @@ place only when every process has written its part.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,14 @@ def _distributed() -> bool:
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it "assumes" one process even when told so (no_dist=True); one process is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -91,11 +100,12 @@ def save_training_state(
     error = None
     try:
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        save(
-            {"model": model_state, "optimizer": optimizer_state, f"rng.rank{rank}": _rng_state()},
-            checkpoint_id=staging / DCP_DIR,
-            no_dist=not _distributed(),
-        )
+        with _single_process_quiet():
+            save(
+                {"model": model_state, "optimizer": optimizer_state, f"rng.rank{rank}": _rng_state()},
+                checkpoint_id=staging / DCP_DIR,
+                no_dist=not _distributed(),
+            )
         if rank == 0:
             if scheduler is not None:
                 torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
@@ -227,7 +237,8 @@ def load_training_state(
             "Resume with the model (architecture, MoE layers, number of experts) that saved it."
         )
     try:
-        load(state, storage_reader=reader, no_dist=not _distributed())
+        with _single_process_quiet():
+            load(state, storage_reader=reader, no_dist=not _distributed())
     except (Exception, CheckpointException) as err:  # DCP's exception derives from BaseException
         raise TrainingStateError(
             f"{directory} does not match this model and optimizer: {_last_line(err)}. Resume with the model "
