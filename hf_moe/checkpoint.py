@@ -67,9 +67,9 @@ def save_checkpoint(
     existing target that this save does not produce (a tokenizer, say) are kept; old weight files are not.
 
     With expert parallelism (DTensor parameters, or a `state_dict` of DTensors) every process must call it: each
-    writes the files of the experts it stores (shard.py: each expert is stored whole on one process) and a share of
-    the non-expert files, gathering those one tensor at a time; rank 0 writes the index. No process gathers the
-    model. The files are the same as a single process would write. Otherwise only `is_main_process` writes (a
+    writes the files of the experts it stores (`parallel.shard.whole_local_experts`: no communication when FSDP2
+    keeps experts whole, else its share of its block, gathered over "dp") and a share of the non-expert files,
+    gathered one tensor at a time; rank 0 writes the index. No process gathers the model. The files are the same as a single process would write. Otherwise only `is_main_process` writes (a
     full `state_dict`, as Accelerate's FULL_STATE_DICT gathers it on rank 0, is written as it is).
     """
     sharded = _is_sharded(model, state_dict)
@@ -169,7 +169,11 @@ def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int) -> No
                 mine[name] = group
                 continue
             writer = i % world == rank  # non-expert files take turns; each tensor is gathered by all, kept by one
-            full = {k: t.full_tensor() if isinstance(t, DTensor) else t for k, t in group.items()}
+            full = {}
+            for key, tensor in group.items():
+                tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective: all ranks
+                if writer:
+                    full[key] = tensor
             if writer:
                 mine[name] = full
     except BaseException as err:  # no collective may be skipped by one process only: fail everywhere

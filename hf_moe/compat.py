@@ -64,6 +64,14 @@ def trainer_file_names() -> tuple[str, str]:
     return SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 
+def trainer_supports_sharded_models() -> bool:
+    """Whether transformers.Trainer lets a model own its sharding (reads `is_distributed_loading_by_transformers`:
+    no DDP wrap, save_pretrained on every process). transformers 5.23 does; 5.17 does not."""
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "is_distributed_loading_by_transformers")
+
+
 def declare_sharded_at_load(model) -> None:
     """Mark a model that owns its sharding and gradient reduction (FSDP2 applied by `hf_moe.parallelize`), the way
     `from_pretrained(distributed_config=...)` marks its models: transformers.Trainer then neither wraps it in DDP
@@ -93,6 +101,7 @@ __all__ = [
     "attn_implementation",
     "convert_file_size_to_int",
     "declare_sharded_at_load",
+    "trainer_supports_sharded_models",
     "default_apply_gate",
     "grouped_mm_experts_forward",
     "init",

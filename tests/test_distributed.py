@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,11 +70,20 @@ def parallel_runs(tmp_path_factory) -> dict[str, str]:
 
 
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; on timeout the whole group (torchrun's workers too) is killed, so no
+    worker outlives the test waiting on a collective."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    if result.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
-    return result
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    if process.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} failed ({process.returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 def _assert_passed(output: str, *checks: str) -> None:
@@ -187,7 +197,6 @@ def test_accelerate_launch_example_with_expert_parallelism(tmp_path):
     (tmp_path / "data.txt").write_text("\n".join([CORPUS] * 30))
     common = ["--model", str(tmp_path / "moe"), "--data", str(tmp_path / "data.txt"), "--max-steps", "8",
               "--block-size", "32", "--learning-rate", "3e-3", "--logging-steps", "1", "--sequential"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               str(ROOT / "examples" / "finetune_trainer.py")]
     runs = {
@@ -196,9 +205,7 @@ def test_accelerate_launch_example_with_expert_parallelism(tmp_path):
     }
     curves = {}
     for name, cmd in runs.items():
-        result = subprocess.run(cmd + common + ["--output-dir", str(tmp_path / name)], capture_output=True,
-                                text=True, env=env, cwd=ROOT, timeout=600)
-        assert result.returncode == 0, f"{name}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+        result = _run(cmd + common + ["--output-dir", str(tmp_path / name)])
         assert f"; {1 if name == 'single' else 2} process(es)" in result.stdout  # the Trainer sees every process
         curves[name] = [loss for _, loss in json.loads((tmp_path / name / "loss_curve.json").read_text())]
     assert curves["ep"][-1] < curves["ep"][0]

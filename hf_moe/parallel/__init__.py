@@ -133,7 +133,8 @@ def parallelize(model: nn.Module, mesh=None, expert_parallel_size: int | None = 
         )
     if not fsdp:
         return model
-    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and m not in _experts_modules(model)]
+    experts = set(_experts_modules(model))
+    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and m not in experts]
     if sharded:
         raise ValueError(
             f"FSDP is already applied to {sharded[:3]}: parallelize shards a model whose non-expert parameters are "

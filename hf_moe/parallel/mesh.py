@@ -128,8 +128,7 @@ def build_plan(process_group=None, expert_parallel_size: int | None = None, mesh
     """
     _require_distributed()
     if sum(x is not None for x in (process_group, expert_parallel_size, mesh)) > 1:
-        if not (mesh is not None and expert_parallel_size == mesh.shape[-1] and process_group is None):
-            raise ValueError("Pass one of process_group, expert_parallel_size and mesh, not several.")
+        raise ValueError("Pass one of process_group, expert_parallel_size and mesh, not several.")
     if mesh is not None:
         return plan_from_mesh(mesh)
     if process_group is not None:

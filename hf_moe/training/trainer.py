@@ -20,6 +20,7 @@ import os
 import torch.distributed as dist
 from transformers import Trainer
 
+from ..compat import TRANSFORMERS_VERSION, trainer_supports_sharded_models
 from ..parallel.training_state import TrainingStateError, load_training_state, read_training_state_meta, save_training_state
 
 TRAINING_STATE_DIR = "training_state"
@@ -56,6 +57,13 @@ class MoETrainer(Trainer):
     """A `transformers.Trainer` with resharding training checkpoints and hf_moe's sharding (see the module doc)."""
 
     def __init__(self, model=None, args=None, *more, **kwargs):
+        if _is_sharded_by_hf_moe(model) and not trainer_supports_sharded_models():
+            raise RuntimeError(
+                f"transformers {TRANSFORMERS_VERSION}'s Trainer would wrap this model, sharded by hf_moe.parallelize, "
+                "in DDP, which cannot hold DTensor parameters. Upgrade transformers (5.23 lets a model own its "
+                "sharding), or shard only the experts (hf_moe.expert_parallel) and launch with Accelerate's FSDP2 "
+                "plugin."
+            )
         with _trainer_checkpoints_optimizer(model) as sharded:
             super().__init__(model, args, *more, **kwargs)
         self.is_distributed_loading_by_transformers = sharded or self.is_distributed_loading_by_transformers
