@@ -54,16 +54,9 @@ def attn_implementation(config) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# transformers.Trainer: file names and the private methods MoETrainer overrides (imported on use: Trainer is slow
-# to import, and `import hf_moe` must not pay for it)
+# transformers.Trainer: the conventions and private methods MoETrainer relies on (Trainer is imported on use: it is
+# slow to import, and `import hf_moe` must not pay for it)
 # --------------------------------------------------------------------------------------------------------------
-def trainer_file_names() -> tuple[str, str]:
-    """(SCHEDULER_NAME, TRAINING_ARGS_NAME) of transformers.trainer."""
-    from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
-
-    return SCHEDULER_NAME, TRAINING_ARGS_NAME
-
-
 def trainer_supports_sharded_models() -> bool:
     """Whether transformers.Trainer lets a model own its sharding (reads `is_distributed_loading_by_transformers`:
     no DDP wrap, save_pretrained on every process). transformers 5.23 does; 5.17 does not."""
@@ -81,10 +74,10 @@ def declare_sharded_at_load(model) -> None:
         model._is_distributed_loading_by_transformers = True
 
 
-# MoETrainer overrides these private Trainer methods; they exist with these signatures in every TESTED release:
-#   _save_optimizer_and_scheduler(output_dir), _load_optimizer_and_scheduler(checkpoint),
-#   _load_from_checkpoint(resume_from_checkpoint, model=None), _defer_fsdp_gradient_reduction() (a context manager),
-# and sets the Trainer attribute `is_distributed_loading_by_transformers` that Trainer.__init__ reads from the model.
+# MoETrainer overrides these private Trainer methods: _save_optimizer_and_scheduler(output_dir),
+# _load_optimizer_and_scheduler(checkpoint), _load_from_checkpoint(resume_from_checkpoint, model=None) (in every
+# TESTED release), and _defer_fsdp_gradient_reduction() (a context manager; 5.23, absent and unused in 5.17). It sets
+# the Trainer attribute `is_distributed_loading_by_transformers` (5.23), which Trainer.__init__ reads from the model.
 # MoEForCausalLM overrides the private classmethod PreTrainedModel._from_config(config, **kwargs), which
 # AutoModelForCausalLM.from_config calls.
 
@@ -101,11 +94,10 @@ __all__ = [
     "attn_implementation",
     "convert_file_size_to_int",
     "declare_sharded_at_load",
-    "trainer_supports_sharded_models",
     "default_apply_gate",
     "grouped_mm_experts_forward",
     "init",
     "register_checkpoint_conversion_mapping",
     "remove_tied_weights_from_state_dict",
-    "trainer_file_names",
+    "trainer_supports_sharded_models",
 ]
