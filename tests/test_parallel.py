@@ -92,7 +92,6 @@ def _setup(seed: int):
     return model, optimizer, scheduler
 
 
-@pytest.mark.slow
 def test_training_state_round_trip(tmp_path):
     model, optimizer, scheduler = _setup(0)
     _train_one_step(model, optimizer, scheduler)
