@@ -82,6 +82,19 @@ def _parser() -> argparse.ArgumentParser:
                           "(with --offload-experts)")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    plan = sub.add_parser("plan", help="memory per GPU of the expert-parallel x FSDP2 layouts: will it fit?")
+    plan.add_argument("model", metavar="MODEL_OR_CONFIG", help="a saved model directory, a config.json, or a Hub id; "
+                      "an hf_moe model, or a dense one with --num-experts and --top-k (planned as if upcycled)")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    plan.add_argument("--gpu-memory", required=True, help="memory of one GPU, e.g. 80GB or 80GiB")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                      help="weights and gradients (with bf16/fp16, AdamW keeps an fp32 master copy)")
+    plan.add_argument("--num-experts", type=int, help="for a dense model: experts per MoE layer")
+    plan.add_argument("--top-k", type=int, help="for a dense model: experts per token")
+    plan.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward (default 1)")
+    plan.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    plan.add_argument("--gradient-accumulation-steps", type=int, default=1)
     return parser
 
 

@@ -2,10 +2,16 @@
 
     python examples/finetune_trainer.py --model out/moe --data corpus.txt --output-dir out/moe-ft --max-steps 50
 
-Expert-parallel over the processes of `accelerate launch` / `torchrun` with --expert-parallel (each rank holds a
-block of every layer's experts; see hf_moe.parallel):
+Expert-parallel over the processes of `accelerate launch` / `torchrun` with --expert-parallel: each rank reads and
+holds a block of every layer's experts, and FSDP2 shards the other parameters (`hf_moe.parallelize`; see
+hf_moe.parallel). Under Accelerate's FSDP2 plugin, Accelerate shards the other parameters instead:
 
-    accelerate launch --num_processes 2 examples/finetune_trainer.py --expert-parallel --model out/moe ...
+    accelerate launch --num_processes 8 examples/finetune_trainer.py --expert-parallel --model out/moe ...
+    accelerate launch --use_fsdp --fsdp_version 2 --num_processes 8 examples/finetune_trainer.py --expert-parallel ...
+
+(On a machine without GPUs: `accelerate launch --multi_gpu --num_processes 2 ...` runs CPU processes on gloo;
+Accelerate refuses FSDP there, so use the first form.) Checkpoints resume on any number of processes with the same
+global batch (--batch-size x processes x --gradient-accumulation-steps).
 
 The data file is read with `datasets`: a .txt file (one document per line), or a .json/.jsonl file with a "text"
 field or a "messages" field (chat turns, rendered with the tokenizer's chat template). Texts are tokenised,
@@ -44,8 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sequential", action="store_true", help="no shuffling (to compare runs batch for batch)")
-    p.add_argument("--expert-parallel", action="store_true", help="shard the experts over the launched processes")
-    p.add_argument("--expert-parallel-size", type=int, help="processes per expert-parallel group (default: all)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="shard the experts over the launched processes, and the other parameters with FSDP2")
+    p.add_argument("--expert-parallel-size", type=int,
+                   help="processes per expert-parallel group (default: all); the groups then FSDP-shard each block")
     return p.parse_args(argv)
 
 
@@ -107,14 +115,16 @@ def main(argv=None) -> dict:
     model = hf_moe.MoEForCausalLM.from_pretrained(
         args.model, expert_parallel=args.expert_parallel, expert_parallel_size=args.expert_parallel_size
     )
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.expert_parallel and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        hf_moe.parallelize(model)  # FSDP2 for the non-expert parameters (Accelerate's FSDP2 plugin does it otherwise)
     train = load_blocks(args.data, tokenizer, args.block_size)
     counts = model.parameter_counts()
     if training_args.process_index == 0:
         print(f"{len(train)} blocks of {args.block_size} tokens; model {counts['total'] / 1e6:.1f}M parameters "
               f"({counts['active'] / 1e6:.1f}M active per token); {training_args.world_size} process(es)"
-              + (", experts sharded across them" if args.expert_parallel else ""))
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+              + (", experts and FSDP2 shards across them" if args.expert_parallel else ""))
     trainer = hf_moe.MoETrainer(
         model=model,
         args=training_args,

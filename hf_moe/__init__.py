@@ -19,7 +19,7 @@ from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopK
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM
 from .ops import experts_interface
-from .parallel import expert_parallel
+from .parallel import expert_parallel, parallelize
 
 AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
 AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
@@ -67,6 +67,7 @@ __all__ = [
     "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",
+    "parallelize",
     "export_native",
     "load_balancing_loss",
     "register_router",

@@ -128,18 +128,21 @@ def save_checkpoint(
     say) are kept; old weight files are not. A symbolic link as `save_directory` is followed: the directory it
     points to is replaced, and the link stays.
 
-    With expert parallelism every rank must call it: each writes the files of its own experts (one replica per
-    expert), global rank 0 the rest and the index; the files are the same as a single process would write.
-    Without it, only `is_main_process` writes.
+    With expert parallelism (DTensor parameters, or a `state_dict` of DTensors) every process must call it: each
+    writes the files of the experts it stores (`parallel.shard.whole_local_experts`: no communication when FSDP2
+    keeps experts whole, else its share of its block, gathered over "dp") and a share of the non-expert files,
+    gathered one tensor at a time; rank 0 writes the index. No process gathers the model. The files are the same as a single process would write. Otherwise only `is_main_process` writes (a
+    full `state_dict`, as Accelerate's FULL_STATE_DICT gathers it on rank 0, is written as it is).
     """
-    plan = getattr(model, "expert_parallel_plan", None)
-    if plan is None and not is_main_process:
+    sharded = _is_sharded(model, state_dict)
+    if not sharded and not is_main_process:
         return
     target = resolve_output_directory(save_directory, "Cannot save the model to")
-    shards = _plan_shards(checkpoint_state_dict(model, state_dict), convert_file_size_to_int(max_shard_size))
-    if plan is not None:
-        _save_expert_parallel(model, target, shards, plan)
+    max_bytes = convert_file_size_to_int(max_shard_size)
+    if sharded:
+        _save_expert_parallel(model, target, state_dict, max_bytes)
         return
+    shards = _plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
     with staging_directory(target) as staging:
         _finish(model, staging, target, [_write_shards(shards, staging)])
 
@@ -156,6 +159,13 @@ def resolve_output_directory(directory: str | os.PathLike, action: str = "Cannot
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     """Whether two paths name one directory (after resolving links and `..`)."""
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _is_sharded(model, state_dict) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    tensors = model.parameters() if state_dict is None else state_dict.values()
+    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def _write_shards(shards: dict[str, dict[str, torch.Tensor]], staging: Path) -> dict[str, str]:
@@ -191,7 +201,7 @@ def _finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]
     }
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     config = model.config
-    config.architectures = [type(model).__name__]
+    config.architectures = [_architecture(model)]
     config.dtype = str(model.dtype).removeprefix("torch.")
     config.auto_map = dict(AUTO_MAP)
     config.save_pretrained(staging)
@@ -202,26 +212,49 @@ def _finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]
     _commit(staging, target)
 
 
-def _save_expert_parallel(model, target: Path, shards: dict, plan) -> None:
-    """The collective save: one staging directory chosen by rank 0, every writer's files in it, rank 0 commits
-    only if every rank succeeded. Every rank returns (or raises) after the directory is in place (or discarded)."""
+def _architecture(model) -> str:
+    """The model's class name, without the FSDP2 wrapper class `fully_shard` puts in front of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int) -> None:
+    """The collective save of a sharded model (see `save_checkpoint`): one staging directory chosen by rank 0,
+    every process's files in it, rank 0 commits only if every process succeeded. Every process returns (or
+    raises) after the directory is in place (or discarded)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from .parallel.shard import whole_local_experts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
-    mine = {
-        name: tensors
-        for name, tensors in shards.items()
-        if (plan.edp_rank == 0 if name.startswith(EXPERT_FILE_PREFIX) else main)
-    }
+    error, written, mine = None, {}, {}
+    try:
+        tensors = _local_state_dict(model, state_dict, whole_local_experts)
+        for i, (name, group) in enumerate(sorted(_plan_shards(tensors, max_bytes).items())):
+            if name.startswith(EXPERT_FILE_PREFIX):  # this process's own experts
+                mine[name] = group
+                continue
+            writer = i % world == rank  # non-expert files take turns; each tensor is gathered by all, kept by one
+            full = {}
+            for key, tensor in group.items():
+                tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective: all ranks
+                if writer:
+                    full[key] = tensor
+            if writer:
+                mine[name] = full
+    except BaseException as err:  # no collective may be skipped by one process only: fail everywhere
+        error = err
     staging_name = [str(_new_staging(target)) if main else None]
     dist.broadcast_object_list(staging_name, src=0)
     staging = Path(staging_name[0])
-    error, written = None, {}
-    try:
-        written = _write_shards(mine, staging)
-    except BaseException as err:  # the other ranks must still hear about it, or they wait forever
-        error = err
+    if error is None:
+        try:
+            written = _write_shards(mine, staging)
+        except BaseException as err:  # the other ranks must still hear about it, or they wait forever
+            error = err
     results: list = [None] * world
     dist.all_gather_object(results, (error is None, written))
     status = [None]
@@ -243,23 +276,48 @@ def _save_expert_parallel(model, target: Path, shards: dict, plan) -> None:
         raise RuntimeError(f"Saving {target} failed on rank 0: {status[0]}")
 
 
+def _local_state_dict(model, state_dict, whole_local_experts) -> dict[str, torch.Tensor]:
+    """The tensors this process contributes, under on-disk keys: its share of the experts (per expert; see
+    `whole_local_experts`) and every non-expert tensor as it is (DTensor or plain; `_save_expert_parallel` gathers)."""
+    fused = {
+        f"{module_name}.{name}": experts
+        for module_name, experts in model.named_modules()
+        if isinstance(experts, Experts)
+        for name, _ in experts.named_parameters(recurse=False)
+    }
+    out = {}
+    for key, tensor in _without_ignored(model, model.state_dict() if state_dict is None else state_dict).items():
+        if key not in fused:
+            out[key] = tensor
+            continue
+        local, ids = whole_local_experts(fused[key], tensor)
+        head, _, name = key.rpartition(".")
+        out.update({f"{head}.{e}.{name}": local[i] for i, e in enumerate(ids)})
+    return out
+
+
 def checkpoint_state_dict(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The tensors to save under their on-disk keys: fused expert parameters split per expert (as views), tied
     duplicates and `_keys_to_ignore_on_save` removed."""
     if state_dict is None:
         state_dict = model.state_dict()
+    return split_experts(_without_ignored(model, state_dict), model)
+
+
+def _without_ignored(model, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state_dict` without tied duplicates and `_keys_to_ignore_on_save`."""
     state_dict = dict(state_dict)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state_dict.pop(key, None)
-    return split_experts(remove_tied_weights_from_state_dict(state_dict, model), model)
+    return remove_tied_weights_from_state_dict(state_dict, model)
 
 
 def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "") -> dict[str, torch.Tensor]:
     """`state_dict` (of `module`, its keys preceded by `prefix`) with every fused expert tensor [E, ...] of the
     module's `Experts` split per expert as views: `...experts.up_proj` -> `...experts.{e}.up_proj`, e counted from
-    the module's first expert (not 0 with expert parallelism)."""
-    offsets = {  # fused key -> global id of its first expert
-        f"{prefix}{module_name}.{param_name}": experts.expert_offset
+    the module's first expert (not 0 for a block of experts held under expert parallelism)."""
+    offsets = {  # fused key -> (global id of the first expert of a block, experts in all)
+        f"{prefix}{module_name}.{param_name}": (experts.expert_offset, experts.num_experts)
         for module_name, experts in module.named_modules()
         if isinstance(experts, Experts)
         for param_name, _ in experts.named_parameters(recurse=False)
@@ -268,7 +326,9 @@ def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "")
     for key, tensor in state_dict.items():
         if key in offsets:
             head, _, name = key.rpartition(".")
-            out.update({f"{head}.{offsets[key] + e}.{name}": tensor[e] for e in range(tensor.shape[0])})
+            first, total = offsets[key]
+            first = 0 if tensor.shape[0] == total else first  # all the experts (a gathered state_dict), or a block
+            out.update({f"{head}.{first + e}.{name}": tensor[e] for e in range(tensor.shape[0])})
         else:
             out[key] = tensor
     return out
@@ -1255,28 +1315,31 @@ def missing_keys_error(directory, missing_keys) -> CheckpointError:
 def load_checkpoint(model, directory: str | os.PathLike, strict: bool = True):
     """Load a per-expert checkpoint into `model` in place, one file at a time.
 
-    With expert parallelism each rank reads only the non-expert files and its own experts' files. Returns torch's
-    `_IncompatibleKeys(missing_keys, unexpected_keys)` in on-disk key names (other ranks' experts are neither);
-    with `strict`, raises instead when either is non-empty. This is what `transformers.Trainer` uses to resume
-    (see `hf_moe.training.trainer_compat`).
+    Returns torch's `_IncompatibleKeys(missing_keys, unexpected_keys)` in on-disk key names; with `strict`, raises
+    instead when either is non-empty. (A plain `transformers.Trainer` resumes the same way, file by file through
+    `load_state_dict` and the experts' per-expert-key hook, but reports the keys by their in-memory names.) A
+    sharded model (DTensor parameters) is refused: see the error.
     """
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    if _is_sharded(model, None):
+        raise CheckpointError(
+            f"Cannot load {directory} into a sharded model (DTensor parameters, from hf_moe.parallelize or "
+            "expert_parallel) tensor by tensor. Load it with MoEForCausalLM.from_pretrained(path, "
+            "expert_parallel=True) (each process reads its own experts) and call hf_moe.parallelize; to resume "
+            "training, use hf_moe.MoETrainer, whose checkpoints hold a resharding DCP training state."
+        )
     validate_checkpoint(directory, verify_checksums=None)
     weight_map, _ = read_index(directory)
     expected = set(checkpoint_state_dict(model))
-    others = set()
-    if getattr(model, "expert_parallel_plan", None) is not None:  # experts held by other ranks
-        others = {k for k in weight_map if _EXPERT_KEY.match(k) and k not in expected}
     missing = sorted(expected - set(weight_map))
-    unexpected = sorted(set(weight_map) - expected - others)
+    unexpected = sorted(set(weight_map) - expected)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{directory} does not match {type(model).__name__}: {len(missing)} missing tensor(s) "
             f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}."
         )
-    files = sorted({weight_map[k] for k in weight_map if k not in others})
-    for filename in files:
+    for filename in sorted(set(weight_map.values())):
         model.load_state_dict(load_file(directory / filename), strict=False)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -153,7 +153,99 @@ def _verify(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "verify": _verify, "generate": _generate}
+def _plan_config(args):
+    """(MoE config, meta-device MoE model, description) of MODEL_OR_CONFIG; a dense config is upcycled on meta."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .configuration import MoEConfig
+    from .convert.api import convert_to_moe
+    from .parallel.sizing import meta_model
+
+    path = args.model
+    if os.path.isfile(path):
+        try:
+            fields = json.loads(open(path).read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a JSON config file ({err}).") from None
+        if not isinstance(fields, dict) or "model_type" not in fields:
+            raise ValueError(f"{path} is not a transformers config.json (it has no model_type).")
+        model_type = fields.pop("model_type")
+        config = MoEConfig.from_dict(fields) if model_type == "hf_moe" else AutoConfig.for_model(model_type, **fields)
+    else:
+        config = AutoConfig.from_pretrained(path)
+    if isinstance(config, MoEConfig):
+        if args.num_experts is not None or args.top_k is not None:
+            raise ValueError(f"{path} is already an MoE model: drop --num-experts / --top-k.")
+        return config, meta_model(config), f"{path}"
+    if args.num_experts is None or args.top_k is None:
+        raise ValueError(
+            f"{path} is a dense `{config.model_type}` model: pass --num-experts and --top-k to plan it upcycled."
+        )
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(config)
+    moe = convert_to_moe(dense, args.num_experts, args.top_k, verify=False)
+    return moe.config, moe, f"{path} upcycled to {args.num_experts} experts, top-{args.top_k}"
+
+
+def _plan(args) -> None:
+    """`hf-moe plan`: memory per GPU of every (EP, FSDP) layout, and which fit."""
+    import torch
+
+    from .compat import convert_file_size_to_int
+    from .parallel.sizing import candidate_layouts, estimate
+
+    for name in ("gpus", "nodes", "micro_batch", "seq_len", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    try:
+        memory = convert_file_size_to_int(args.gpu_memory)
+    except ValueError:
+        raise ValueError(f"--gpu-memory takes a size like 80GB or 80GiB, got {args.gpu_memory!r}.") from None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config, model, what = _plan_config(args)
+    gpus = args.gpus * args.nodes
+    layouts = candidate_layouts(config.num_experts, gpus, args.gpus)
+    if not layouts:
+        raise ValueError(f"No expert-parallel size divides both num_experts={config.num_experts} and {gpus} GPUs.")
+    counts = model.parameter_counts()
+    gb = 1e9
+    print(
+        f"{what}: {counts['total'] / 1e9:.2f}B parameters ({counts['expert'] / 1e9:.2f}B in experts, "
+        f"{config.num_experts} per MoE layer x {len(config.moe_layers)} layers, top-{config.num_experts_per_tok})\n"
+        f"{gpus} GPUs ({args.nodes} node(s) x {args.gpus}), {memory / gb:.1f} GB each; {args.dtype} weights and "
+        f"gradients, AdamW with fp32 exp_avg and exp_avg_sq"
+        + (" and an fp32 master copy" if dtype != torch.float32 else "")
+        + f"; micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.gradient_accumulation_steps} "
+        "accumulation step(s)\n"
+    )
+    header = (f"{'EP':>4} {'FSDP':>5} {'experts/GPU':>11} {'weights':>9} {'grads':>9} {'optimizer':>10} "
+              f"{'gathered':>9} {'activ.~':>9} {'total':>9} {'all-to-all/step':>16}  fits")
+    print(header)
+    print("-" * len(header))
+    for layout in layouts:
+        e = estimate(config, layout, dtype=dtype, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                     gradient_accumulation_steps=args.gradient_accumulation_steps, model=model)
+        r = e.per_rank
+        fits = "yes" if e.total <= memory else "no"
+        where = " (EP across nodes)" if layout.ep > args.gpus else ""
+        print(f"{layout.ep:>4} {layout.dp:>5} {e.experts_per_rank:>11.4g} {r['weights'] / gb:>8.1f}G "
+              f"{r['gradients'] / gb:>8.1f}G {r['optimizer'] / gb:>9.1f}G {e.gathered / gb:>8.1f}G "
+              f"{e.activations / gb:>8.1f}G {e.total / gb:>8.1f}G {e.all_to_all_per_step / gb:>15.2f}G  {fits}{where}")
+    print(
+        "\nEP: processes per expert-parallel group (tokens travel between them); FSDP: groups, over which each block "
+        "of experts is sharded. Non-expert parameters are sharded over EP and replicated over FSDP (hf_moe.parallelize)."
+        "\nweights, grads, optimizer: the largest rank's shards (exact, as FSDP2 chunks them). gathered: the root "
+        "unit and the largest layer, unsharded for compute, with their gradients. activ.~: rough (+-30%), one "
+        "micro-batch, no activation checkpointing (which cuts it to about one layer's). all-to-all: bytes each GPU "
+        "sends per optimizer step (dispatch and combine, forward and backward). Keep ~10% for the CUDA context and "
+        "allocator fragmentation."
+    )
+
+
+COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "plan": _plan}
 
 
 def run(args) -> int:

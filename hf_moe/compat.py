@@ -77,19 +77,30 @@ def attn_implementation(config) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# transformers.Trainer: file names and the private methods MoETrainer overrides (imported on use: Trainer is slow
-# to import, and `import hf_moe` must not pay for it)
+# transformers.Trainer: the conventions and private methods MoETrainer relies on (Trainer is imported on use: it is
+# slow to import, and `import hf_moe` must not pay for it)
 # --------------------------------------------------------------------------------------------------------------
-def trainer_file_names() -> tuple[str, str]:
-    """(SCHEDULER_NAME, TRAINING_ARGS_NAME) of transformers.trainer."""
-    from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+def trainer_supports_sharded_models() -> bool:
+    """Whether transformers.Trainer lets a model own its sharding (reads `is_distributed_loading_by_transformers`:
+    no DDP wrap, save_pretrained on every process). transformers 5.23 does; 5.17 does not."""
+    from transformers import PreTrainedModel
 
-    return SCHEDULER_NAME, TRAINING_ARGS_NAME
+    return hasattr(PreTrainedModel, "is_distributed_loading_by_transformers")
 
 
-# MoETrainer overrides these private Trainer methods; they exist with these signatures in every TESTED release:
-#   _save(output_dir, state_dict), _save_optimizer_and_scheduler(output_dir),
-#   _load_optimizer_and_scheduler(checkpoint).
+def declare_sharded_at_load(model) -> None:
+    """Mark a model that owns its sharding and gradient reduction (FSDP2 applied by `hf_moe.parallelize`), the way
+    `from_pretrained(distributed_config=...)` marks its models: transformers.Trainer then neither wraps it in DDP
+    nor shards it again, and calls `save_pretrained` on every process. The public read side is
+    `PreTrainedModel.is_distributed_loading_by_transformers`; its backing attribute is private (transformers 5.x)."""
+    if hasattr(type(model), "_is_distributed_loading_by_transformers"):
+        model._is_distributed_loading_by_transformers = True
+
+
+# MoETrainer overrides these private Trainer methods: _save_optimizer_and_scheduler(output_dir),
+# _load_optimizer_and_scheduler(checkpoint), _load_from_checkpoint(resume_from_checkpoint, model=None) (in every
+# TESTED release), and _defer_fsdp_gradient_reduction() (a context manager; 5.23, absent and unused in 5.17). It sets
+# the Trainer attribute `is_distributed_loading_by_transformers` (5.23), which Trainer.__init__ reads from the model.
 # MoEForCausalLM overrides the private classmethod PreTrainedModel._from_config(config, **kwargs), which
 # AutoModelForCausalLM.from_config calls.
 
@@ -138,13 +149,14 @@ __all__ = [
     "attn_implementation",
     "can_set_experts_implementation",
     "convert_file_size_to_int",
+    "declare_sharded_at_load",
     "default_apply_gate",
     "grouped_mm_experts_forward",
     "init",
     "register_output_recording",
     "register_checkpoint_conversion_mapping",
     "remove_tied_weights_from_state_dict",
-    "trainer_file_names",
+    "trainer_supports_sharded_models",
     "triton_cuobjdump",
     "triton_kernel_params",
 ]

@@ -293,15 +293,19 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def parameter_counts(self) -> dict[str, int]:
         """{"total", "active", "expert", "experts_per_token"}: parameters, and those a token uses."""
+        from torch.distributed.tensor import DTensor
+
+        def full_numel(p, experts=None) -> int:
+            # A DTensor (sharded: FSDP2, expert parallelism) reports its global numel. A plain expert parameter
+            # built under expert parallelism holds num_local_experts of num_experts: count them all.
+            if isinstance(p, DTensor) or experts is None:
+                return p.numel()
+            return p.numel() * experts.num_experts // experts.num_local_experts
+
         blocks = moe_blocks(self)
-        local = sum(p.numel() for block in blocks for p in block.experts.parameters())
-        # With expert parallelism this process holds num_local_experts of num_experts: count them all.
-        expert = sum(
-            p.numel() * block.experts.num_experts // block.experts.num_local_experts
-            for block in blocks
-            for p in block.experts.parameters()
-        )
-        total = sum(p.numel() for p in self.parameters()) - local + expert
+        expert_params = {id(p) for block in blocks for p in block.experts.parameters()}
+        expert = sum(full_numel(p, block.experts) for block in blocks for p in block.experts.parameters())
+        total = sum(full_numel(p) for p in self.parameters() if id(p) not in expert_params) + expert
         c = self.config
         active = total - expert + expert * c.num_experts_per_tok // c.num_experts
         return {"total": total, "active": active, "expert": expert, "experts_per_token": c.num_experts_per_tok}

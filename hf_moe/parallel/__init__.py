@@ -1,13 +1,20 @@
-"""Expert parallelism: each rank holds a block of every MoE layer's experts; tokens travel to their experts.
+"""Expert parallelism composed with FSDP2, on one ("dp", "ep") DeviceMesh: every parameter a DTensor.
 
     import hf_moe
     model = hf_moe.MoEForCausalLM.from_pretrained(path, expert_parallel=True)   # reads only this rank's experts
-    # or: hf_moe.expert_parallel(model)                                         # shards a loaded model in place
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)    # DDP for the other parameters
+    model = hf_moe.parallelize(model)            # FSDP2 for the other parameters (or pass a full model: it shards it)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=...)
+    ...
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)                      # the global norm, torch's own
 
-Launch with `torchrun` or `accelerate launch` (one machine or many). With more processes than experts can be
-spread over, pass `expert_parallel_size`: the processes form world / size replicas of the experts. See
-groups.py (placement), dispatch.py (the exchanges), clip.py (global gradient norm).
+Launch with `torchrun` or `accelerate launch`. Layout (mesh.py): the experts are DTensors sharded on dim 0 over
+"ep" and FSDP2-sharded over "dp" (shard.py); tokens travel over "ep" (dispatch.py); the other parameters are
+FSDP2-sharded along "ep" and replicated along "dp" (`parallelize`). Training checkpoints that reshard on load:
+`hf_moe.parallel.save_training_state` / `load_training_state` (training_state.py).
+
+`hf_moe.expert_parallel(model)` shards only the experts, for a caller that shards the rest itself:
+`fully_shard` by hand (pass `mesh=hf_moe.parallel.device_mesh(model)` to keep `torch.nn.utils.clip_grad_norm_`
+on one mesh) or Accelerate's FSDP2 plugin. DDP cannot wrap DTensor parameters (Accelerate refuses it).
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import contextlib
 
 from torch import nn
 
-from .clip import clip_grad_norm_
-from .groups import ExpertParallelPlan, build_plan
+from .mesh import ExpertParallelPlan, build_mesh, build_plan
+from .training_state import load_training_state, save_training_state
 
-__all__ = ["ExpertParallelPlan", "build_plan", "clip_grad_norm_", "expert_parallel", "local_experts"]
+__all__ = [
+    "ExpertParallelPlan", "build_mesh", "build_plan", "device_mesh", "expert_parallel", "load_training_state",
+    "local_experts", "parallelize", "save_training_state",
+]
 
 _constructing: list[ExpertParallelPlan] = []
 
@@ -38,33 +48,54 @@ def plan_under_construction() -> ExpertParallelPlan | None:
     return _constructing[-1] if _constructing else None
 
 
-def expert_parallel(model: nn.Module, process_group=None, expert_parallel_size: int | None = None) -> nn.Module:
-    """Shard every MoE layer's experts across the expert-parallel group, in place, and return the model.
-
-    Rank r of a group of P keeps experts [r * E / P, (r + 1) * E / P); the others are freed. Call it before
-    `accelerator.prepare` / DDP: it lists the expert parameters in `_ddp_params_and_buffers_to_ignore`, since their
-    gradients are reduced by hf_moe (scaled like DDP's, and summed over replicas).
-
-    Raises:
-        ValueError: if E is not a multiple of the group size, or the model is already expert-parallel.
-    """
+def _experts_modules(model: nn.Module) -> list[nn.Module]:
     from ..layers import Experts
 
-    plan = build_plan(process_group, expert_parallel_size)
-    for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        if experts.ep_plan is not None:
-            raise ValueError("This model is already expert-parallel.")
-        start, end = plan.expert_range(experts.num_experts)
-        for name, param in list(experts.named_parameters(recurse=False)):
-            local = nn.Parameter(param.detach()[start:end].clone(), requires_grad=param.requires_grad)
-            setattr(experts, name, local)
-        experts.num_local_experts, experts.expert_offset, experts.ep_plan = end - start, start, plan
-    return finish(model, plan)
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def device_mesh(model: nn.Module):
+    """The ("dp", "ep") DeviceMesh an expert-parallel model is sharded on (None if it is not)."""
+    plan = getattr(model, "expert_parallel_plan", None)
+    return None if plan is None else plan.mesh
+
+
+def expert_parallel(
+    model: nn.Module, process_group=None, expert_parallel_size: int | None = None, mesh=None
+) -> nn.Module:
+    """Shard every MoE layer's experts over the ("dp", "ep") mesh, in place, and return the model.
+
+    The expert parameters become DTensors: process (d, p) stores its share of block p of the experts (see
+    shard.py), and each `Experts` module is an FSDP2 unit that reduces its own gradients. The other parameters are
+    left as they are, for `fully_shard` by hand or Accelerate's FSDP2 plugin; `hf_moe.parallelize` does both.
+
+    Raises:
+        ValueError: if E is not a multiple of the expert-parallel size, or the model is already expert-parallel.
+    """
+    if getattr(model, "expert_parallel_plan", None) is not None:
+        raise ValueError("This model is already expert-parallel.")
+    _refuse_expert_choice(model)
+    plan = build_plan(process_group, expert_parallel_size, mesh)
+    from .shard import shard_experts
+
+    for experts in _experts_modules(model):
+        shard_experts(experts, plan, holds_block=False)
+    model.expert_parallel_plan = plan
+    return model
 
 
 def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
-    """Record the plan on the model, mark the expert parameters and keep them out of DDP."""
-    from ..layers import Experts
+    """Shard a model whose experts were built holding only this process's block (`from_pretrained`)."""
+    from .shard import shard_experts
+
+    _refuse_expert_choice(model)
+    for experts in _experts_modules(model):
+        shard_experts(experts, plan, holds_block=True)
+    model.expert_parallel_plan = plan
+    return model
+
+
+def _refuse_expert_choice(model: nn.Module) -> None:
     from ..layers.router import ExpertChoiceRouter
 
     if any(isinstance(m, ExpertChoiceRouter) for m in model.modules()):
@@ -72,12 +103,45 @@ def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
             "Expert-choice routing is not supported with expert parallelism: each expert would need every rank's "
             "tokens to pick from. Use a token-choice router."
         )
-    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    for module_name, module in model.named_modules():
-        if isinstance(module, Experts):
-            for name, param in module.named_parameters(recurse=False):
-                param._hf_moe_ep_plan = plan  # lets clip_grad_norm_ find them among any list of parameters
-                ignored.append(f"{module_name}.{name}")
-    model._ddp_params_and_buffers_to_ignore = sorted(set(ignored))
-    model.expert_parallel_plan = plan
+
+
+def parallelize(model: nn.Module, mesh=None, expert_parallel_size: int | None = None, fsdp: bool = True) -> nn.Module:
+    """Expert parallelism x FSDP2 on one ("dp", "ep") mesh, in place; returns the model.
+
+    Args:
+        mesh: a DeviceMesh with mesh_dim_names ("dp", "ep"); default: all processes, "ep" of size
+            `expert_parallel_size` (default: all processes).
+        fsdp: also shard the other parameters with FSDP2, one unit per decoder layer plus the root: sharded along
+            "ep", replicated along "dp" (HSDP), so that every parameter is a DTensor on the same mesh. With False
+            only the experts are sharded (`hf_moe.expert_parallel`).
+
+    Every process must hold the same weights before the call (load them, or seed identically), as for FSDP2.
+    A model loaded with `from_pretrained(expert_parallel=True)` keeps its experts and mesh.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from ..compat import declare_sharded_at_load
+
+    plan = getattr(model, "expert_parallel_plan", None)
+    if plan is None:
+        expert_parallel(model, expert_parallel_size=expert_parallel_size, mesh=mesh)
+        plan = model.expert_parallel_plan
+    elif (mesh is not None and mesh != plan.mesh) or (expert_parallel_size not in (None, plan.ep_size)):
+        raise ValueError(
+            f"The model is already expert-parallel over a ({plan.dp_size}, {plan.ep_size}) ('dp', 'ep') mesh; "
+            "call parallelize without mesh / expert_parallel_size, or on a model that is not sharded yet."
+        )
+    if not fsdp:
+        return model
+    experts = set(_experts_modules(model))
+    sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule) and m not in experts]
+    if sharded:
+        raise ValueError(
+            f"FSDP is already applied to {sharded[:3]}: parallelize shards a model whose non-expert parameters are "
+            "plain (use fsdp=False to shard only the experts, and apply fully_shard yourself)."
+        )
+    for layer in model.get_submodule(model.config.decoder_layers_path):
+        fully_shard(layer, mesh=plan.mesh)  # 2-D mesh: HSDP, replicated along "dp", sharded along "ep"
+    fully_shard(model, mesh=plan.mesh)
+    declare_sharded_at_load(model)
     return model

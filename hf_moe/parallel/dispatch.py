@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from ..ops import dispatch_ops, kernel_activation, reference, run_experts
-from .groups import ExpertParallelPlan
+from .mesh import ExpertParallelPlan
 
 
 class _AllToAll(Function):
@@ -39,23 +39,6 @@ class _AllToAll(Function):
         out = grad.new_empty(sum(ctx.send), grad.shape[1])
         dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
-
-
-class _ExpertGrad(Function):
-    """Identity on a local expert weight; its gradient is scaled by 1 / world size and summed over the replicas of
-    the same experts (expert data parallelism), so expert gradients average over ranks exactly as DDP's do."""
-
-    @staticmethod
-    def forward(ctx, weight, plan: ExpertParallelPlan):
-        ctx.plan = plan
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad * ctx.plan.grad_scale
-        if ctx.plan.edp_group is not None:
-            dist.all_reduce(grad, group=ctx.plan.edp_group)
-        return grad, None
 
 
 def _exchange_counts(send_counts: torch.Tensor, plan: ExpertParallelPlan) -> torch.Tensor:
@@ -90,7 +73,9 @@ def expert_parallel_forward(
     activation = kernel_activation(experts.activation)
     w1 = experts.gate_up_proj if experts.has_gate else experts.up_proj
     b1 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
-    params = [None if p is None else _ExpertGrad.apply(p, plan) for p in (w1, b1, experts.down_proj, experts.down_proj_bias)]
+    # The local block [E / P, ...] of each DTensor weight (FSDP2 has gathered it over "dp" for the forward); its
+    # gradient flows back into the DTensor, and FSDP2 reduces it (shard.py).
+    params = [None if p is None else p.to_local() for p in (w1, b1, experts.down_proj, experts.down_proj_bias)]
     ones = received.new_ones(received.shape[0], 1)
     computed = run_experts(
         dispatch_ops(received.device, activation), received, local_ids.unsqueeze(1), ones, *params, activation,

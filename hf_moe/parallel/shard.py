@@ -1,0 +1,98 @@
+"""Expert weights as DTensors: sharded on dim 0 over "ep", and FSDP2-sharded over "dp".
+
+Each `Experts` module becomes its own FSDP2 unit, on the ("dp", "ep") mesh (see mesh.py):
+
+    parameter    DTensor [E, ...], placements (Replicate(), Shard(0)) before FSDP: block p of E / P experts on "ep"
+    stored       FSDP2 shards each block over "dp": on dim 0 (whole experts per process) when the block's experts
+                 divide evenly over "dp", else on dim 1 (a slice of every expert of the block; as torchtitan does),
+                 so that memory falls as 1 / world size even with fewer experts per block than "dp" processes
+    forward      FSDP2 all-gathers the block over "dp"; the dispatch (dispatch.py) computes with `param.to_local()`
+    gradient     the local block's gradient sums the contributions of the P ranks of the row (the all_to_all's
+                 backward); FSDP2 reduce-scatters it over "dp" and divides by the world size, so it is the gradient
+                 of the mean loss over all processes, as for every other parameter
+
+Because the experts are their own FSDP units, any later `fully_shard` of a parent (by hand, or by Accelerate's
+FSDP2 plugin) leaves them alone: FSDP2 does not recurse into a module that already has FSDP applied.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .mesh import ExpertParallelPlan
+
+
+def _device(plan: ExpertParallelPlan) -> torch.device:
+    if plan.mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(plan.mesh.device_type, torch.accelerator.current_device_index())
+
+
+def shard_experts(experts: nn.Module, plan: ExpertParallelPlan, *, holds_block: bool) -> None:
+    """Make `experts`' parameters DTensors of this process's block and the module an FSDP2 unit over "dp".
+
+    Args:
+        holds_block: the parameters already hold only this process's block of experts [E / P, ...] (loaded with
+            `from_pretrained(expert_parallel=True)`); otherwise they hold all E experts and the others are freed.
+    """
+    if isinstance(experts, FSDPModule):
+        raise ValueError(
+            f"{type(experts).__name__} already has FSDP applied: call hf_moe.expert_parallel / hf_moe.parallelize "
+            "before fully_shard, so the experts are sharded over the expert-parallel mesh first."
+        )
+    start, end = plan.expert_range(experts.num_experts)
+    device = _device(plan)
+    for name, param in list(experts.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            raise ValueError(f"{name} of {type(experts).__name__} is already a DTensor; shard a plain model.")
+        block = param.detach() if holds_block else param.detach()[start:end].clone()
+        if block.shape[0] != end - start:
+            raise ValueError(
+                f"{name} holds {block.shape[0]} experts, but this process's block is experts [{start}, {end})."
+            )
+        local = DTensor.from_local(block.to(device), plan.mesh, (Replicate(), Shard(0)), run_check=False)
+        setattr(experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
+    experts.num_local_experts, experts.expert_offset, experts.ep_plan = end - start, start, plan
+    fully_shard(
+        experts, mesh=plan.mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+        shard_placement_fn=lambda param: Shard(expert_shard_dim(end - start, plan.dp_size, param.shape)),
+    )
+    experts.set_gradient_divide_factor(plan.world_size)  # the mean over all processes, not over "dp" only
+    if plan.mesh.device_type == "cpu" and plan.dp_size > 1:
+        # gloo has no PREMUL_SUM: sum, then divide. Not with a "dp" of one process: FSDP2 (torch 2.13) then copies
+        # the gradient divided by the factor and divides it by the factor again.
+        experts.set_force_sum_reduction_for_comms(True)
+
+
+def expert_shard_dim(block: int, dp: int, shape) -> int:
+    """The dim FSDP2 shards an expert parameter [block, d1, ...] on over "dp": 0 if the block's experts divide
+    evenly, else 1 if d1 does (FSDP2 needs even shards off dim 0), else 0 (uneven chunks)."""
+    if block % dp == 0 or len(shape) < 2 or shape[1] % dp:
+        return 0
+    return 1
+
+
+def whole_local_experts(experts: nn.Module, param: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(tensor [n, ...], the global ids of its n experts): whole experts of `param` (a parameter of `experts`, or
+    its state-dict entry) for this process to write, each expert of the model returned by exactly one process.
+
+    Plain parameters: all of them (or the expert-parallel block, before sharding). Sharded on dim 0: this process's
+    chunk of its block, no communication. Sharded on dim 1: the block is gathered over "dp" (a collective: every
+    process must call this for the same parameters in the same order) and process d of "dp" takes experts d, d + dp,
+    ... of it.
+    """
+    if not isinstance(param, DTensor):
+        first = experts.expert_offset if param.shape[0] == experts.num_local_experts else 0
+        return param.detach(), list(range(first, first + param.shape[0]))
+    plan = experts.ep_plan
+    if getattr(param.placements[0], "dim", 0) == 0:
+        local = param.to_local().detach()
+        per_rank = -(-experts.num_local_experts // plan.dp_size)  # FSDP2 chunks dim 0 as torch.chunk does
+        first = experts.expert_offset + plan.dp_rank * per_rank
+        return local, list(range(first, first + local.shape[0]))
+    block = param.redistribute(plan.mesh, (Replicate(), Shard(0))).to_local().detach()
+    mine = list(range(plan.dp_rank, block.shape[0], plan.dp_size))
+    return block[mine], [experts.expert_offset + j for j in mine]
