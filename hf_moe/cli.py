@@ -245,7 +245,9 @@ def _plan(args) -> None:
     )
 
 
-COMMANDS = {"convert": _convert, "inspect": _inspect, "export": _export, "plan": _plan}
+COMMANDS = {
+    "convert": _convert, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan, "generate": _generate,
+}
 
 
 def run(args) -> int:
