@@ -243,8 +243,17 @@ def test_inference_only_and_no_save(saved, tmp_path):
     assert not (tmp_path / "resaved").exists()
 
 
-def test_corrupt_expert_header_is_refused_at_load(saved, tmp_path):
-    """An expert tensor whose header shape disagrees with the config is refused before anything is read."""
+@pytest.mark.parametrize(
+    "checksums, message",
+    [(True, r"its header \(tensor names, dtypes, shapes, offsets\) differs"), (False, r"stores model.layers.0.mlp.experts.3.down_proj with shape \[96, 64\], but config.json makes it")],
+    ids=["header-checksum", "no-checksums"],
+)
+def test_corrupt_expert_header_is_refused_at_load(saved, tmp_path, checksums, message):
+    """An expert tensor whose header shape disagrees with the config is refused before anything is read.
+
+    The header hash saved in the index names it; in a checkpoint without checksums (saved by an older hf_moe) the shape
+    check against the config still does.
+    """
     import shutil
     import struct
 
@@ -260,7 +269,12 @@ def test_corrupt_expert_header_is_refused_at_load(saved, tmp_path):
     assert len(text) <= n
     text = text.ljust(n)
     path.write_bytes(raw[:8] + text + raw[8 + n :])
-    with pytest.raises(CheckpointError, match="has shape"):
+    if not checksums:
+        index_path = copy / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        del index["metadata"]["checksums"]
+        index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=message):
         MoEForCausalLM.from_pretrained(copy, offload_experts="disk", max_expert_memory="1MiB")
 
 
