@@ -8,7 +8,7 @@ OLDEST=5.17.0  # = hf_moe.compat.TESTED["transformers"][0] (tests/test_repo.py c
 VENV=.venv-oldest
 [ -x "$VENV/bin/python" ] || python -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q torch==2.13.0
-"$VENV/bin/python" -m pip install -q -e ".[data]" "transformers==$OLDEST" pytest pytest-timeout
+"$VENV/bin/python" -m pip install -q -e ".[data,plot]" "transformers==$OLDEST" pytest pytest-timeout tensorboard
 "$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$OLDEST', transformers.__version__"
 HF_MOE_BACKEND=torch "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_modeling.py tests/test_integration.py tests/test_checkpoint.py tests/test_convert.py \

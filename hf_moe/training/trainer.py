@@ -66,7 +66,10 @@ class MoETrainer(Trainer):
             )
         with _trainer_checkpoints_optimizer(model) as sharded:
             super().__init__(model, args, *more, **kwargs)
-        self.is_distributed_loading_by_transformers = sharded or self.is_distributed_loading_by_transformers
+        # transformers < 5.23's Trainer has no such attribute (and refuses sharded models above).
+        self.is_distributed_loading_by_transformers = sharded or getattr(
+            self, "is_distributed_loading_by_transformers", False
+        )
         plan = getattr(_unwrap(self.model), "expert_parallel_plan", None)
         if plan is not None and self.args.world_size != dist.get_world_size():
             raise ValueError(
