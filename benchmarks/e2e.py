@@ -12,7 +12,8 @@ into --workdir, and the native model loads with plain transformers. Contestants,
     native grouped_mm    MixtralForCausalLM, experts_implementation="grouped_mm"
 
 Each repeat runs every contestant once, in turn (interleaved, so load on a shared machine hits them alike): a
-prefill of --prompt-tokens tokens (one forward with the KV cache), then --new-tokens greedy decode steps, each a
+prefill of --prompt-tokens tokens (one forward filling the KV cache, with the last position's logits only, as
+`generate` does), then --new-tokens greedy decode steps, each a
 forward of one token with the cache. The same prompt for all; the greedy tokens are checked equal.
 
 Printed: tokens/s, median [20th-80th percentile] over the repeats, and hf_moe's speed over each native run's, per
@@ -36,7 +37,7 @@ def greedy(model, prompt, new_tokens):
     """(prefill s, decode s, generated ids [new_tokens]) of a KV-cached greedy run on `prompt` [1, P]."""
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(prompt, use_cache=True)
+        out = model(prompt, use_cache=True, logits_to_keep=1)  # as generate() does: the last position's logits
         prefill = time.perf_counter() - start
         past, token, generated = out.past_key_values, out.logits[:, -1:].argmax(-1), []
         start = time.perf_counter()

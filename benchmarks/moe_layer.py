@@ -1,6 +1,6 @@
 """Speed of one MoE layer, against transformers' own MoE block and a dense MLP with the same active FLOPs.
 
-    python benchmarks/moe_layer.py [--repeats 7] [--dtype float32] [--shapes all]             # CPU tables
+    python benchmarks/moe_layer.py [--repeats 9] [--dtype float32] [--shapes all]             # CPU tables
     python benchmarks/moe_layer.py --device cuda --dtype bfloat16                             # GPU table
     python benchmarks/moe_layer.py --device cpu --interpret --tiny                            # GPU table's code,
                                                                                               # tiny, interpreted
@@ -14,8 +14,12 @@ CPU tables. For each shape, in one run and interleaved (so load on a shared mach
                  spends per token, with no routing at all, i.e. the speed limit.
 All MoE blocks get the same router and expert weights, so they route identically (checked: max |diff|).
 
-Printed: median milliseconds for forward and forward+backward, and dense_time / time ("vs dense", higher is
-better, 1.0 = as fast as the dense MLP). Ratios are what to read; absolute times on a shared machine are noise.
+Printed: milliseconds for forward and forward+backward (median and 20th-80th percentile of the repeats), and
+dense_time / time per repeat ("vs dense", higher is better, 1.0 = as fast as the dense MLP). Ratios are what to
+read; absolute times on a shared machine are noise. "of limit" is the layer's speed limit on this machine / its
+time: the larger of the FLOP bound (active FLOPs at the GEMM rate of a 2048^3 matmul, measured in the same run)
+and the byte bound (the weights of every expert the routing touches, twice with the backward for their gradients,
+at the memory bandwidth measured in the same run: see MachineRates).
 "saved MB" is what each keeps for backward (activations, not parameters), and its ratio to the dense MLP's.
 A second table times inference only (torch.inference_mode) on decode-like batches of 1 to 16 tokens.
 
@@ -105,7 +109,7 @@ def _forward(module, x):
 
 
 def measure(modules, x, repeats):
-    """{name: (fwd_ms, fwd_bwd_ms)} medians, contestants interleaved within each repeat."""
+    """{name: (fwd ms list, fwd+bwd ms list)}, contestants interleaved within each repeat."""
     grad = torch.randn_like(x)
     times = {name: ([], []) for name in modules}
 
@@ -127,7 +131,55 @@ def measure(modules, x, repeats):
                 start = time.perf_counter()
                 fn(module)
                 times[name][slot].append((time.perf_counter() - start) * 1e3)
-    return {name: (statistics.median(f), statistics.median(fb)) for name, (f, fb) in times.items()}
+    return times
+
+
+class MachineRates:
+    """This machine's speeds, measured now (medians of `repeats`): the GEMM rate of a 2048^3 matmul, and the memory
+    bandwidth, reading a 256 MB buffer (a sum). The limits divide by these. A working set that fits in the last-level
+    cache (32 MB here; a decode layer's touched experts do, since the benchmark reuses one layer) is read faster than
+    memory: `cache_bandwidth` (a 12 MB buffer) is printed beside it, and a decode ratio to the limit above 1 means
+    the weights came from cache."""
+
+    def __init__(self, dtype, repeats):
+        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+        self.flop_rate = 2 * 2048**3 / (statistics.median(_timed(lambda: torch.mm(a, b), CPU, repeats)) / 1e3)
+        self.memory_bandwidth = _read_rate(256 * 2**20, dtype, max(repeats, 9))
+        self.cache_bandwidth = _read_rate(12 * 2**20, dtype, max(repeats, 9))
+
+    def read_ms(self, nbytes: int) -> float:
+        return nbytes / self.memory_bandwidth * 1e3
+
+
+def _read_rate(nbytes, dtype, repeats) -> float:
+    """bytes/s of summing a buffer of `nbytes` (read again and again)."""
+    buffer = torch.empty(nbytes // dtype.itemsize, dtype=dtype).normal_()
+    return nbytes / (statistics.median(_timed(buffer.sum, CPU, repeats)) / 1e3)
+
+
+CPU = torch.device("cpu")
+
+
+def layer_limit(block, x, rates, backward):
+    """(limit ms, FLOP-bound ms, byte-bound ms) of one MoE layer on `x`: the active FLOPs (6 N k H I for a SwiGLU
+    expert; x3 with the backward) at the measured GEMM rate, and the weights of every expert the routing touches
+    (3 H I each) at the memory bandwidth, twice with the backward (their gradients are written, counted at the read
+    rate). The limit is the larger."""
+    flat = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        index = block.gate(flat).dispatch_index()
+    experts = block.experts
+    n, k = index.shape
+    h, i = experts.hidden_dim, experts.intermediate_dim
+    flops = 2 * n * k * 3 * h * i * (3 if backward else 1)
+    touched = index[index >= 0].unique().numel()
+    return _limit(flops, touched * 3 * h * i * x.element_size(), rates, backward)
+
+
+def _limit(flops, weight_bytes, rates, backward):
+    flop_ms = flops / rates.flop_rate * 1e3
+    byte_ms = rates.read_ms(weight_bytes) * (2 if backward else 1)
+    return max(flop_ms, byte_ms), flop_ms, byte_ms
 
 
 DECODE_SHAPES = [("E8 k2 I1024", 8, 2, 1024), ("E64 k8 I256", 64, 8, 256)]
@@ -135,7 +187,7 @@ DECODE_TOKENS = [1, 2, 4, 8, 16]
 
 
 def measure_inference(modules, x, repeats):
-    """{name: fwd_ms} medians under torch.inference_mode, interleaved."""
+    """{name: [ms per forward, one per repeat (the mean of 10 calls)]} under torch.inference_mode, interleaved."""
     times = {name: [] for name in modules}
     with torch.inference_mode():
         for module in modules.values():
@@ -147,7 +199,7 @@ def measure_inference(modules, x, repeats):
                 for _ in range(10):
                     _forward(module, x)
                 times[name].append((time.perf_counter() - start) * 1e2)  # ms per call
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 # The GPU table: (name, hidden H, experts E, top-k, expert intermediate I), 16,384 tokens.
@@ -258,7 +310,7 @@ def gpu_table(args, device, dtype):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shapes", default="all", help="comma-separated indices into SHAPES, or 'all', or 'none'")
@@ -276,38 +328,65 @@ def main():
     named = {"all": SHAPES, "none": []}
     shapes = named[args.shapes] if args.shapes in named else [SHAPES[int(i)] for i in args.shapes.split(",")]
     torch.manual_seed(0)
+    rates = MachineRates(dtype, args.repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, H={HIDDEN}, "
-          f"median of {args.repeats}")
-    header = (f"{'shape':<20} {'impl':<13} {'fwd ms':>9} {'vs dense':>9} {'fwd+bwd ms':>11} {'vs dense':>9} "
-              f"{'saved MB':>8} {'vs dense':>8}")
+          f"{args.repeats} repeats; this machine now: {rates.flop_rate / 1e9:.1f} GFLOP/s (2048^3 matmul), "
+          f"reads {rates.memory_bandwidth / 1e9:.1f} GB/s from memory (256 MB; limits use this), "
+          f"{rates.cache_bandwidth / 1e9:.1f} GB/s from cache (12 MB)")
+    print("Times: median [20th-80th percentile] ms. vs dense: dense time / time, per repeat (contestants interleaved),"
+          " median [20th-80th percentile]. of limit: the layer's limit / median time (see layer_limit).")
+    header = (f"{'shape':<18} {'impl':<13} {'fwd ms':>21} {'vs dense':>17} {'fwd+bwd ms':>22} {'vs dense':>17} "
+              f"{'of limit':>8} {'saved':>5}")
     for name, num_experts, top_k, inter, tokens in shapes:
         modules = build(num_experts, top_k, inter, dtype)
         x = torch.randn(1, tokens, HIDDEN, dtype=dtype)  # [batch, seq, hidden], as in a decoder layer
         with torch.no_grad():
             ref = _forward(modules["hf_moe"], x)
             diff = max((_forward(modules[k], x) - ref).abs().max().item() for k in ("hf eager", "hf grouped"))
-        results = measure(modules, x, args.repeats)
+        block = modules["hf_moe"].module
+        limit, flop_ms, byte_ms = layer_limit(block, x, rates, backward=True)
+        dense_flops = 2 * tokens * 3 * HIDDEN * top_k * inter * 3  # the same active FLOPs, fwd+bwd
+        dense_limit = _limit(dense_flops, 3 * HIDDEN * top_k * inter * x.element_size(), rates, backward=True)[0]
+        times = measure(modules, x, args.repeats)
         saved = {impl: saved_activation_bytes(m, x.detach().requires_grad_(True)) for impl, m in modules.items()}
-        dense_f, dense_fb = results["dense"]
-        print(f"\n{header}\n{'-' * len(header)}")
-        for impl, (f, fb) in results.items():
-            print(f"{name:<20} {impl:<13} {f:>9.2f} {dense_f / f:>9.2f} {fb:>11.2f} {dense_fb / fb:>9.2f} "
-                  f"{saved[impl] / 1e6:>8.1f} {saved[impl] / saved['dense']:>8.2f}")
-        print(f"(max |output difference| hf_moe vs transformers: {diff:.1e})")
+        print(f"\n{name}: fwd+bwd limit {limit:.1f} ms (FLOP bound {flop_ms:.1f}, byte bound {byte_ms:.1f}); "
+              f"dense's {dense_limit:.1f} ms")
+        print(f"{header}\n{'-' * len(header)}")
+        for impl, (f, fb) in times.items():
+            cells = []
+            for slot, series in enumerate((f, fb)):
+                ratios = [d / t for d, t in zip(times["dense"][slot], series)]
+                cells.append(f"{_cell(series)} {_cell(ratios, 2)}")
+            own_limit = dense_limit if impl == "dense" else limit
+            print(f"{name:<18} {impl:<13} {cells[0]} {cells[1]} {own_limit / statistics.median(fb):>8.2f} "
+                  f"{saved[impl] / saved['dense']:>5.2f}")
+        print(f"(max |output difference| hf_moe vs transformers: {diff:.1e}; saved: activations kept for backward "
+              "/ dense's)")
 
     if args.decode:
-        print("\nInference only (torch.inference_mode), decode-like batches: ms per forward, and dense / time")
+        print("\nInference only (torch.inference_mode), decode-like batches: ms per forward, median "
+              "[20th-80th percentile] and dense / time; limit: the touched experts' weight bytes at the measured "
+              "read rate (or the FLOPs at the GEMM rate, if larger)")
         names = ["hf_moe", "hf_moe torch", "hf eager", "hf grouped", "dense"]
-        header = f"{'shape':<14} {'tokens':>6} " + " ".join(f"{n:>13}" for n in names)
+        header = f"{'shape':<12} {'tokens':>6} {'limit':>6} " + " ".join(f"{n:>26}" for n in names) + " of limit"
         print(f"{header}\n{'-' * len(header)}")
         for name, num_experts, top_k, inter in DECODE_SHAPES:
             modules = build(num_experts, top_k, inter, dtype)
             for tokens in DECODE_TOKENS:
                 x = torch.randn(1, tokens, HIDDEN, dtype=dtype)
+                limit = layer_limit(modules["hf_moe"].module, x, rates, backward=False)[0]
                 res = measure_inference(modules, x, args.repeats)
-                cells = " ".join(f"{res[n]:>6.3f} ({res['dense'] / res[n]:.2f})" for n in names)
-                print(f"{name:<14} {tokens:>6} {cells}")
+                cells = " ".join(
+                    f"{_cell(res[n], 2)} ({statistics.median(d / t for d, t in zip(res['dense'], res[n])):.2f})"
+                    for n in names
+                )
+                print(f"{name:<12} {tokens:>6} {limit:>6.3f} {cells} {limit / statistics.median(res['hf_moe']):>8.2f}")
 
+
+def _cell(values, digits=1) -> str:
+    """'median [p20-p80]' of a list."""
+    median, low, high = _median_spread(values)
+    return f"{median:>7.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 if __name__ == "__main__":
     main()
