@@ -219,3 +219,20 @@ def test_split_with_softmax_weights_exports(tmp_path):
                                 router_weights="softmax").eval()
     result = export_native(moe, tmp_path / "out")
     assert result.architecture == "Qwen3MoeForCausalLM" and result.max_abs_logit_diff < 1e-5
+
+
+def test_metadata_the_gguf_loader_adds_is_carried_not_refused(tmp_path):
+    """transformers' GGUF loader adds `_model_name_or_path` and `unk_token_id` to a Llama config (the quickstart's
+    SmolLM2 has both). Neither changes what the model computes, so export carries them instead of refusing."""
+    dense = tiny_dense("llama")
+    dense.save_pretrained(tmp_path / "dense")
+    config_path = tmp_path / "dense" / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(_model_name_or_path="/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf", unk_token_id=0)
+    config_path.write_text(json.dumps(config))
+    moe = hf_moe.convert_to_moe(str(tmp_path / "dense"), num_experts=4, top_k=2)
+    moe.save_pretrained(tmp_path / "moe")
+    assert json.loads((tmp_path / "moe" / "config.json").read_text())["unk_token_id"] == 0
+    export_native(str(tmp_path / "moe"), tmp_path / "native")
+    exported = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert exported["model_type"] == "mixtral" and exported["unk_token_id"] == 0
