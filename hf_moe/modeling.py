@@ -267,8 +267,11 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
         so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
         there, as transformers does for ZeRO-3 and FSDP."""
-        if kwargs.get("synced_gpus") is None and len(args) < 6 and getattr(self, "expert_parallel_plan", None):
-            kwargs["synced_gpus"] = torch.distributed.get_world_size() > 1
+        if getattr(self, "expert_parallel_plan", None) is not None:
+            call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
+            if call.arguments.get("synced_gpus") is None:
+                call.arguments["synced_gpus"] = torch.distributed.get_world_size() > 1
+                return super().generate(*call.args, **call.kwargs)
         return super().generate(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------

@@ -245,7 +245,10 @@ def test_inference_only_and_no_save(saved, tmp_path):
 
 @pytest.mark.parametrize(
     "checksums, message",
-    [(True, r"its header \(tensor names, dtypes, shapes, offsets\) differs"), (False, r"stores model.layers.0.mlp.experts.3.down_proj with shape \[96, 64\], but config.json makes it")],
+    [
+        (True, r"its header \(tensor names, dtypes, shapes, offsets\) differs"),
+        (False, r"stores model.layers.0.mlp.experts.3.down_proj with shape \[96, 64\], but config.json makes it"),
+    ],
     ids=["header-checksum", "no-checksums"],
 )
 def test_corrupt_expert_header_is_refused_at_load(saved, tmp_path, checksums, message):

@@ -21,7 +21,12 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from ..compat import TRANSFORMERS_VERSION, trainer_supports_sharded_models
-from ..parallel.training_state import TrainingStateError, load_training_state, read_training_state_meta, save_training_state
+from ..parallel.training_state import (
+    TrainingStateError,
+    load_training_state,
+    read_training_state_meta,
+    save_training_state,
+)
 
 TRAINING_STATE_DIR = "training_state"
 
