@@ -285,7 +285,7 @@ def test_deepspeed_zero3_matches_zero2(tmp_path):
     differences (about 4e-8 on gradients of up to 0.2), so it is DeepSpeed's rounding, not hf_moe's. No gradient
     clipping, whose norm would add another summation order."""
     if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (scripts/test.sh installs it; see the README, "Works with")")
+        pytest.skip("deepspeed is not installed (scripts/test.sh installs it; see the README's 'Works with')")
     out = tmp_path / "losses.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "dist" / "deepspeed_zero.py"), str(out)]
