@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import hf_moe
+from spread import cell  # benchmarks/spread.py
 
 
 def greedy(model, prompt, new_tokens):
@@ -47,17 +47,6 @@ def greedy(model, prompt, new_tokens):
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - start
     return prefill, decode, torch.cat(generated, dim=1)[0]
-
-
-def spread(values):
-    """'median [20th-80th percentile]'."""
-    q = statistics.quantiles(values, n=5, method="inclusive") if len(values) > 1 else [values[0]] * 4
-    return statistics.median(values), q[0], q[-1]
-
-
-def cell(values, digits=2):
-    median, low, high = spread(values)
-    return f"{median:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 
 def main():
@@ -110,7 +99,7 @@ def main():
         cells = []
         for slot in (0, 1):
             ratios = [a / b for a, b in zip(times["hf_moe"][slot], times[name][slot])]
-            cells += [cell(times[name][slot], 1), cell(ratios)]
+            cells += [cell(times[name][slot], 1).strip(), cell(ratios, 2).strip()]
         print(f"| {name:<18} | {cells[0]:>20} | {cells[1]:>18} | {cells[2]:>20} | {cells[3]:>18} |")
 
 

@@ -53,6 +53,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from hf_moe import MoEConfig, SparseMoeBlock
 from hf_moe.ops import use_backend
 from hf_moe.profiling import saved_activation_bytes
+from spread import cell, median_spread  # benchmarks/spread.py
 
 HIDDEN = 512
 # (name, experts E, top-k, expert intermediate I, tokens)
@@ -229,12 +230,6 @@ def _timed(fn, device, repeats):
     return times
 
 
-def _median_spread(times):
-    """(median, 20th percentile, 80th percentile), interpolated between the measured times."""
-    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
-    return statistics.median(times), q[0], q[-1]
-
-
 def _expert_gemms(block, x, backward):
     """A function replaying the expert GEMMs of `block`'s forward (and backward) on `x`'s routing, alone: the same
     calls, shapes, gathers and group sizes as the Triton backend's `FusedExperts`, and nothing else."""
@@ -289,8 +284,8 @@ def gpu_table(args, device, dtype):
             _forward(module, x.detach().requires_grad_(True)).backward(grad)
             module.zero_grad(set_to_none=True)
 
-        results = {impl: (_median_spread(_timed(lambda m=m: fwd(m), device, args.repeats)),
-                          _median_spread(_timed(lambda m=m: fwd_bwd(m), device, args.repeats)))
+        results = {impl: (median_spread(_timed(lambda m=m: fwd(m), device, args.repeats)),
+                          median_spread(_timed(lambda m=m: fwd_bwd(m), device, args.repeats)))
                    for impl, m in modules.items()}
         block = modules["hf_moe"].module
         with use_backend("triton"):
@@ -356,7 +351,7 @@ def main():
             cells = []
             for slot, series in enumerate((f, fb)):
                 ratios = [d / t for d, t in zip(times["dense"][slot], series)]
-                cells.append(f"{_cell(series)} {_cell(ratios, 2)}")
+                cells.append(f"{cell(series)} {cell(ratios, 2)}")
             own_limit = dense_limit if impl == "dense" else limit
             print(f"{name:<18} {impl:<13} {cells[0]} {cells[1]} {own_limit / statistics.median(fb):>8.2f} "
                   f"{saved[impl] / saved['dense']:>5.2f}")
@@ -377,16 +372,11 @@ def main():
                 limit = layer_limit(modules["hf_moe"].module, x, rates, backward=False)[0]
                 res = measure_inference(modules, x, args.repeats)
                 cells = " ".join(
-                    f"{_cell(res[n], 2)} ({statistics.median(d / t for d, t in zip(res['dense'], res[n])):.2f})"
+                    f"{cell(res[n], 2)} ({statistics.median(d / t for d, t in zip(res['dense'], res[n])):.2f})"
                     for n in names
                 )
                 print(f"{name:<12} {tokens:>6} {limit:>6.3f} {cells} {limit / statistics.median(res['hf_moe']):>8.2f}")
 
-
-def _cell(values, digits=1) -> str:
-    """'median [p20-p80]' of a list."""
-    median, low, high = _median_spread(values)
-    return f"{median:>7.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 
 if __name__ == "__main__":
     main()
