@@ -46,12 +46,14 @@ class SparseMoeBlock(nn.Module):
 
     Forward:
         hidden_states [..., H] -> [..., H]
+
+    `expert_range` (start, end) builds only experts [start, end) (see `Experts`).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.gate = build_router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, expert_range)
         self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
         self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.moe_output_bias else None
         self.dropout = nn.Dropout(config.moe_output_dropout) if config.moe_output_dropout else None
