@@ -53,6 +53,9 @@ INTERPRETER_WEIGHT_GRAD_CONFIG = dict(BLOCK_P=32, BLOCK_Q=32, BLOCK_K=32)
 # Whether a launch without an explicit config autotunes (on a GPU) or runs the interpreter's config (tests set it
 # to exercise the autotuned path under the interpreter).
 USE_AUTOTUNER = not INTERPRETING
+# Whether the ops hand their GEMMs to torch's grouped_mm where it is the fast path (bf16 on sm90). gpu_check turns it
+# off to run these kernels there too.
+TORCH_GEMM = True
 
 
 @triton.jit
@@ -287,7 +290,8 @@ def grouped_mm(
         bias: [E, out], added to each row of expert e, times `bias_scale` [M] when given.
         config: the kernel's meta-parameters (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M and optionally num_warps,
             num_stages), or "autotune"; None: the autotuner on a GPU, `INTERPRETER_CONFIG` under the interpreter.
-        torch_gemm: run torch's grouped_mm (True) or this kernel (False); None: torch's where it is the fast path.
+        torch_gemm: run torch's grouped_mm (True) or this kernel (False); None: torch's where it is the fast path
+            (and `TORCH_GEMM`).
     Returns:
         [M, out]; rows past the last group are zero.
     """
@@ -299,7 +303,7 @@ def grouped_mm(
         raise ValueError(f"grouped_mm: x is {tuple(x.shape)} {x.dtype}, the weights {tuple(weight.shape)} {weight.dtype} "
                          f"(transpose_weight={transpose_weight}); they need the same dtype and x {k} columns.")
     if torch_gemm is None:
-        torch_gemm = torch_grouped_mm_usable(device, (x.dtype, weight.dtype), (k, n))
+        torch_gemm = TORCH_GEMM and torch_grouped_mm_usable(device, (x.dtype, weight.dtype), (k, n))
     if torch_gemm:
         return torch_grouped_mm(_gathered(x, gather_index, top_k), weight, tokens_per_expert, bias, bias_scale,
                                 transpose_weight)
@@ -361,7 +365,7 @@ def grouped_mm_weight_grad(
     m = gather_index.shape[0] if gather_index is not None else grad_out.shape[0]
     num_experts, p, q = tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1]
     if torch_gemm is None:
-        torch_gemm = torch_grouped_mm_usable(device, (grad_out.dtype, x.dtype), (p, q))
+        torch_gemm = TORCH_GEMM and torch_grouped_mm_usable(device, (grad_out.dtype, x.dtype), (p, q))
     if torch_gemm:
         a = _gathered(grad_out, gather_index if gather_a else None, top_k)
         b = _gathered(x, gather_index if gather_b else None, top_k)
