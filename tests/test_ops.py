@@ -12,7 +12,7 @@ from hf_moe.ops import REFERENCE, _compiled, dispatch_ops, experts_forward, load
 from hf_moe.ops import reference as ref
 from hf_moe.ops.experts import run_experts
 
-DEVICES = ["cpu"]  # the compiled ops are C++ for CPU; CUDA runs the Triton kernels (tests/test_triton.py)
+DEVICES = ["cpu"]  # the compiled ops are C++ for CPU; CUDA runs torch ops (default) or Triton (tests/test_triton.py)
 
 
 @pytest.fixture(scope="module")

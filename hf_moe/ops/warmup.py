@@ -8,8 +8,9 @@ capture), the kernels' compilation, and on CPU the C++ extension's build.
 
 The autotuner's key is the GEMM's shape with the rows per expert rounded to a power of 2 (grouped_gemm.py), so
 `tokens` is the number of tokens one forward gives each MoE layer: batch x sequence length (per rank under expert
-parallelism). Give several when the step sees several (`tokens=[4096, 8192]`). Nothing of the model changes: the
-gradients are computed with `torch.autograd.grad`, never accumulated into `.grad`.
+parallelism, where every process must call it, as each layer's forward is collective). Give several when the step
+sees several (`tokens=[4096, 8192]`). Nothing of the model changes: the gradients are computed with
+`torch.autograd.grad`, never accumulated into `.grad`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .backend import dispatch_ops, experts_forward, kernel_activation
+from .backend import dispatch_ops, kernel_activation
 
 logger = logging.getLogger("hf_moe")
 
@@ -93,7 +94,7 @@ def _run_once(experts: torch.nn.Module, tokens: int, top_k: int) -> str:
     index = (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
     weights = torch.full((tokens, top_k), 1.0 / top_k, device=device, dtype=dtype, requires_grad=True)
     with torch.enable_grad():
-        out = experts_forward(experts, x, index, weights)
+        out = experts(x, index, weights)  # the module's own forward: what a step runs (expert parallelism included)
         inputs = [x, weights] + [p for p in experts.parameters(recurse=False) if p.requires_grad]
         torch.autograd.grad(out, inputs, torch.randn_like(out))
     if device.type == "cuda":
