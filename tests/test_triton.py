@@ -468,7 +468,8 @@ def test_torch_grouped_mm_is_called_where_usable(monkeypatch):
     assert launch_counts["_permute_kernel"] == before.get("_permute_kernel", 0) + 2
     torch.testing.assert_close(got, ref_grouped_mm(ref.permute(x, sorted_slots, k), w, counts, None, None, True))
     calls.clear()  # torch_gemm=False: the Triton kernel all the same (how gpu_check tests it on sm90 in bf16)
-    torch.testing.assert_close(gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, k, torch_gemm=False), got)
+    own = gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, k, torch_gemm=False)
+    torch.testing.assert_close(own, got)
     assert calls == [] and launch_counts["_grouped_mm_kernel"] > before.get("_grouped_mm_kernel", 0)
 
 

@@ -17,7 +17,8 @@ TRITON_TESTS = ROOT / "tests" / "test_triton.py"
 # On a GPU: every test of tests/test_triton.py but the AOT compiles (a real GPU compiles for real). Under --smoke
 # (the interpreter, CI): a few quick kernel tests, so the step's code runs.
 GPU_TESTS = "not compiles_for_sm90 and not aot_check"
-SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or (test_grouped_mm_forward_and_dx and dropped)"
+SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
+              "(test_grouped_mm_forward_and_dx and dropped)"
 # Under compute-sanitizer (slow): the small kernel tests.
 MEMCHECK_TESTS = "test_sort_by_expert_with_gpu_blocks or (test_permute_and_unpermute and dropped) or " \
                  "(test_grouped_mm_forward_and_dx and dropped) or (test_grouped_mm_weight_grad and dropped) or " \
@@ -93,7 +94,8 @@ def step_sanitizer(step, smoke: bool, timeout: float) -> None:
         return
     tool = _sanitizer()
     if tool is None:
-        step.status, step.summary = SKIPPED, "skipped: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)"
+        step.status = SKIPPED
+        step.summary = "skipped: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)"
         return
     if not TRITON_TESTS.is_file():
         step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
@@ -156,7 +158,8 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
                      warmup=lines)
     step.detail = (f"Converted Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, 8 experts, "
                    f"top-2), {batch}x{length} tokens, bf16 autocast over fp32 weights; warm-up:\n\n"
-                   + code_block("\n".join(lines)) + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}); "
+                   + code_block("\n".join(lines))
+                   + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}); "
                    f"largest gradient error {errors[worst]:.2e} ({worst})")
     step.status = FAILED if problems else PASSED
     step.summary = "; ".join(problems) if problems else f"loss and gradients match the torch backend; AdamW step finite"

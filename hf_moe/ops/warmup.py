@@ -56,8 +56,8 @@ def warmup(model: torch.nn.Module, tokens: int | Iterable[int], *, top_k: int | 
         one line per run: the layer, the tokens, the backend that ran, and the seconds it took.
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("hf_moe.ops.warmup runs the layers to autotune them, which cannot happen inside a CUDA-graph "
-                           "capture: call it before capturing.")
+        raise RuntimeError("hf_moe.ops.warmup runs the layers to autotune them, which cannot happen inside a "
+                           "CUDA-graph capture: call it before capturing.")
     counts = [tokens] if isinstance(tokens, int) else list(tokens)
     if not counts or any(int(n) < 1 for n in counts):
         raise ValueError(f"tokens must be a positive token count or a list of them, got {tokens!r}")
