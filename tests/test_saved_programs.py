@@ -17,29 +17,11 @@ _SAVE = textwrap.dedent(
     """
     import sys
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    import hf_moe
     sys.path.insert(0, "tests")
-    from conftest import tiny_dense
+    from conftest import logits_of_a_tiny_moe
 
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids, use_cache=False).logits
-
-    torch.manual_seed(0)
-    if sys.argv[1] == "converted":
-        model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05)
-    else:
-        config = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                                      num_experts_per_tok=2, intermediate_size=16)
-        model = AutoModelForCausalLM.from_config(config, experts_implementation="hf_moe")
-    model = Logits(model.eval())
+    model = logits_of_a_tiny_moe(sys.argv[1])
     ids = torch.randint(3, 100, (2, 9))
     program = torch.export.export(model, (ids,))
     ops = sorted({str(n.target) for n in program.graph.nodes if "hf_moe" in str(n.target)})
