@@ -36,6 +36,7 @@ register_checkpoint_conversion_mapping(
 experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
 
 _LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
+_LAZY["merge_to_moe"] = "hf_moe.convert.merge"  # issue 21: merging several dense models (loaded on first use)
 
 
 def __getattr__(name: str):
@@ -70,6 +71,7 @@ __all__ = [
     "parallelize",
     "export_native",
     "load_balancing_loss",
+    "merge_to_moe",
     "register_router",
     "router_z_loss",
 ]
