@@ -266,8 +266,10 @@ def test_merge_reads_one_tensor_of_one_source_at_a_time(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_peak_memory_of_a_merge_is_a_fraction_of_one_source(tmp_path):
-    """Peak RSS growth of a merge of 3 sources of 70 MB (fp32) into a 4-expert... measured in a fresh process."""
-    config = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8, vocab_size=128)
+    """Peak RSS growth of a merge of 3 sources of 120 MB (fp32) and a base, in a fresh process, over its RSS before
+    (after a first merge has imported and initialised everything). Tensors are allocated with mmap (so RSS follows
+    the live tensors, not what the allocator keeps), as benchmarks/merge.py measures against mergekit."""
+    config = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, vocab_size=128)
     paths = [_save(tiny_dense("llama", seed=i, **config), tmp_path / f"s{i}") for i in range(4)]
     source = os.path.getsize(os.path.join(paths[0], "model.safetensors"))
     (tmp_path / "merge.yml").write_text(yaml.safe_dump(_recipe(paths, gate_mode="hidden")))
@@ -283,10 +285,11 @@ def test_peak_memory_of_a_merge_is_a_fraction_of_one_source(tmp_path):
         print(status("VmHWM") - before)
         """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_MOE_BACKEND": "torch"})
+                          env={**os.environ, "HF_MOE_BACKEND": "torch", "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.returncode == 0, done.stderr[-3000:]
     growth = int(done.stdout.split()[-1])
-    assert growth < 0.5 * source, f"peak RSS grew by {growth / 1e6:.1f} MB; one source is {source / 1e6:.1f} MB"
+    print(f"growth {growth / 1e6:.1f} MB, source {source / 1e6:.1f} MB")
+    assert growth < 0.35 * source, f"peak RSS grew by {growth / 1e6:.1f} MB; one source is {source / 1e6:.1f} MB"
 
 
 # ---------------------------------------------------------------------------------------------------- export
