@@ -117,7 +117,7 @@ class _Plan:
         self.recipe, self.sources, self.dtype = recipe, sources, dtype
         self.base = sources[recipe.base_model]
         base_config = self.base.config
-        with init_empty_weights(include_buffers=False):
+        with torch.device("meta"):
             dense = AutoModelForCausalLM.from_config(base_config, dtype=dtype)
         self.layers_path, self.decoder_layers = find_decoder_layers(dense)
         self.moe_layers = _select_layers(recipe.layers, recipe.every, len(self.decoder_layers))
@@ -125,9 +125,9 @@ class _Plan:
         first = self.read_mlp(recipe.base_model, self.moe_layers[0])
         self.first_kind = first.kind
         self.config = self._config(first)
-        with init_empty_weights(include_buffers=False):
-            moe = AutoModelForCausalLM.from_config(base_config, dtype=dtype)
-            self.moe = MoEForCausalLM.from_dense(moe, self.config, None)
+        with torch.device("meta"):  # (the layout: tied weights tied)
+            self.moe = MoEForCausalLM.from_dense(AutoModelForCausalLM.from_config(base_config, dtype=dtype), self.config,
+                                                 None)
         if (Path(recipe.base_model) / "generation_config.json").is_file():
             self.moe.generation_config = GenerationConfig.from_pretrained(recipe.base_model)
         self.prefix = {i: f"{self.layers_path}.{i}.{self.config.moe_block_path}." for i in self.moe_layers}
@@ -167,6 +167,13 @@ class _Plan:
         config.moe_conversion["recipe"] = r.to_dict()
         config._validate_moe()
         return config
+
+    def runnable_model(self) -> MoEForCausalLM:
+        """The merged model with its parameters on the meta device and its buffers (rotary frequencies) real, for a
+        forward whose weights `merge_layerwise` reads layer by layer."""
+        with init_empty_weights(include_buffers=False):
+            dense = AutoModelForCausalLM.from_config(self.base.config, dtype=self.dtype)
+            return MoEForCausalLM.from_dense(dense, self.config, None).eval()
 
     # ---------------------------------------------------------------------------------------------------------- read
     def read_mlp(self, path: str, layer: int) -> DenseMLP:

@@ -61,7 +61,7 @@ def calibrate(plan, writer, progress: bool = True) -> tuple[dict, dict]:
     ids, row_labels, counts = calibration_batch(plan)
     num = len(plan.recipe.experts)
     labels = row_labels.repeat_interleave(ids.shape[1])  # [B*T]
-    model = plan.moe.eval()
+    model = plan.runnable_model()
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     routers, shared_rows, accuracy = {}, {}, []
     bar = tqdm(total=len(blocks), desc="Calibrating routers", leave=False, disable=not progress)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .api import _check_model_type
@@ -51,7 +50,7 @@ def open_sources(recipe: MergeConfig, dtype: torch.dtype | None = None) -> dict[
     for path in paths[1:]:
         _compare_configs(recipe.base_model, base, path, configs[path])
     _check_architecture(recipe, base)
-    with init_empty_weights(include_buffers=False):
+    with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(base, dtype=dtype or torch.float32)
     shapes = {k: t.shape for k, t in meta.state_dict().items()}
     sources = {}
