@@ -338,3 +338,20 @@ def test_inspect_shows_which_expert_each_domain_goes_to(sources, tmp_path, capsy
     assert "routing by domain" in out and "domain2.txt" in out and "e0=m1" in out
     rows = [line for line in out.splitlines() if line.strip().startswith(("0 domain", "2 domain"))]
     assert len(rows) == 6
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.slow
+def test_merge_benchmark_quality_smoke_run(tmp_path):
+    """benchmarks/merge.py quality --smoke: every contestant trains, merges and is evaluated (tiny sizes), and the
+    report says whether BTX's claims hold."""
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "merge.py")
+    done = subprocess.run([sys.executable, script, "quality", "--smoke", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_MOE_BACKEND": "torch"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (tmp_path / "merge_quality.md").read_text()
+    for row in ("| hidden |", "| calib |", "| btx |", "| upcycled |", "| dense |", "| branch pycode |"):
+        assert row in report, row
+    assert "BTX's claim" in report
+    run = json.loads((tmp_path / "merge_quality_runs.jsonl").read_text().splitlines()[0])
+    assert set(run["own_expert"]["btx"]) == {"kjv", "pydocs", "pycode"}
