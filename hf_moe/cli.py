@@ -107,6 +107,9 @@ def _merge(args) -> None:
         f", gates {options['gate_mode']}, non-expert weights {options['non_expert_weights']}; "
         f"{counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active per token."
     )
+    if "max_abs_expert_diff" in c.moe_conversion:
+        print(f"Every expert, as written, reproduces its source model's MLP within {c.moe_conversion['max_abs_expert_diff']:.2e}"
+              f" (outputs up to {c.moe_conversion['max_abs_mlp_output']:.2g}) on a random probe.")
 
 
 def _export(args) -> None:

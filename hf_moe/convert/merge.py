@@ -17,6 +17,7 @@ sources. Nothing is written where the recipe or the sources are wrong: every che
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from pathlib import Path
@@ -124,6 +125,7 @@ class _Plan:
         self.spec = find_mlp(self.decoder_layers[self.moe_layers[0]])
         first = self.read_mlp(recipe.base_model, self.moe_layers[0])
         self.first_kind = first.kind
+        self._experts = None  # a one-expert `Experts` that checks each expert written (`_check_expert`)
         self.config = self._config(first)
         with torch.device("meta"):  # (the layout: tied weights tied)
             self.moe = MoEForCausalLM.from_dense(AutoModelForCausalLM.from_config(base_config, dtype=dtype), self.config,
@@ -223,11 +225,34 @@ class _Plan:
                 mlp = self.expert_mlp(spec, i, generator)
                 for name, tensor in _expert_tensors(mlp, self.config).items():
                     writer.write(f"{self.prefix[i]}experts.{e}.{name}", tensor.to(self.dtype))
+                self._check_expert(writer, i, e, mlp)
                 del mlp
             if self.recipe.shared is not None:
                 mlp = self.expert_mlp(self.recipe.shared, i, generator)
                 for name, tensor in _shared_tensors(mlp, self.config).items():
                     writer.write(f"{self.prefix[i]}shared_experts.{name}", tensor.to(self.dtype))
+
+    @torch.no_grad()
+    def _check_expert(self, writer: _ShardWriter, layer: int, e: int, mlp: DenseMLP) -> None:
+        """Expert e of `layer` as hf_moe's `Experts` computes it from the bytes just written, against the source MLP
+        on 16 random hidden states: the largest gap goes into `config.moe_conversion` (`max_abs_expert_diff`)."""
+        from ..layers.experts import Experts
+        from .adapters import expert_forward
+
+        if self._experts is None:
+            one = copy.deepcopy(self.config)
+            one.num_experts = one.num_experts_per_tok = 1
+            self._experts = Experts(one).eval()
+        for name, _ in list(self._experts.named_parameters()):
+            value = writer.read(f"{self.prefix[layer]}experts.{e}.{name}")
+            self._experts._parameters[name] = torch.nn.Parameter(value[None], requires_grad=False)
+        x = torch.randn(16, mlp.hidden_size, generator=torch.Generator().manual_seed(layer)).to(self.dtype)
+        ones = torch.ones(16, 1, dtype=self.dtype)
+        got = self._experts(x, torch.zeros(16, 1, dtype=torch.int64), ones).float()
+        expected = expert_forward(mlp, x).float()
+        conv = self.config.moe_conversion
+        conv["max_abs_expert_diff"] = max(conv.get("max_abs_expert_diff", 0.0), (got - expected).abs().max().item())
+        conv["max_abs_mlp_output"] = max(conv.get("max_abs_mlp_output", 0.0), expected.abs().max().item())
 
     def router_keys(self, layer: int) -> tuple[str, str | None]:
         gate = f"{self.prefix[layer]}gate.weight"
