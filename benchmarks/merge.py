@@ -20,7 +20,6 @@ quality: see benchmarks/merge_quality.py.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import re
@@ -156,7 +155,7 @@ def parity_main(args) -> None:
     experts = [variant(base, work / f"variant{i}", seed=i) for i in range(1, 4)]
     mergekit = _tool(args, "mergekit")
     if mergekit is None:
-        sys.exit(f"parity needs mergekit-moe (mergekit 0.1.5 in a venv of its own): --mergekit {args.mergekit} not found")
+        sys.exit(f"parity needs mergekit-moe (mergekit 0.1.5, in a venv of its own): {args.mergekit} not found")
     tokenizer = AutoTokenizer.from_pretrained(base)
     probe = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     print(f"{'gate_mode':<12} {'max |logit diff|':>17} {'max |router diff|':>18} {'max |logit|':>12}  same argmax")
@@ -222,8 +221,9 @@ def cost_main(args) -> None:
         out = work / "out"
         recipes = {mode: write_yaml(work / f"cost_{src.name}_{mode}.yml", paths[0], paths, mode, PROMPTS, "bfloat16")
                    for mode in ("random", "hidden")}
-        tools = {"hf-moe merge (random)": [sys.executable, "-m", "hf_moe.cli", "merge", str(recipes["random"]), str(out)],
-                 "hf-moe merge (hidden)": [sys.executable, "-m", "hf_moe.cli", "merge", str(recipes["hidden"]), str(out)]}
+        ours = [sys.executable, "-m", "hf_moe.cli", "merge"]
+        tools = {"hf-moe merge (random)": [*ours, str(recipes["random"]), str(out)],
+                 "hf-moe merge (hidden)": [*ours, str(recipes["hidden"]), str(out)]}
         if mergekit:
             tools["mergekit-moe (random)"] = [mergekit, str(recipes["random"]), str(out)]
             tools["mergekit-moe (hidden)"] = [mergekit, str(recipes["hidden"]), str(out)]
@@ -239,7 +239,7 @@ def cost_main(args) -> None:
         one = size(src)
         ref = {k: statistics.median(v[k] for v in runs["hf-moe merge (random)"]) for k in (0, 1)}
         print(f"\n{label}: 4 sources of {one / 1e9:.2f} GB; median (min-max) of {args.repeats} interleaved runs\n")
-        print(f"| tool | wall s | x hf-moe | peak RSS GB | x hf-moe | RSS / one source |\n|---|---|---|---|---|---|")
+        print("| tool | wall s | x hf-moe | peak RSS GB | x hf-moe | RSS / one source |\n|---|---|---|---|---|---|")
         for name, values in runs.items():
             wall = [v[0] for v in values]
             rss = [v[1] for v in values]

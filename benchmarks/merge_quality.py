@@ -114,7 +114,8 @@ def train(model, sources: list[torch.Tensor], steps: int, lr: float, s: Sizes, s
     span = torch.arange(s.context)
     warmup = max(1, steps // 10)
     for step in range(steps):
-        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        progress = (step - warmup) / max(1, steps - warmup)
+        scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = lr * scale
         which = torch.randint(0, len(sources), (s.batch,), generator=generator)
@@ -132,7 +133,7 @@ def train(model, sources: list[torch.Tensor], steps: int, lr: float, s: Sizes, s
 
 def evaluate(model, val: dict[str, torch.Tensor], s: Sizes) -> dict[str, float]:
     sizes = quality.Sizes(**{**quality.SMOKE.__dict__, "context": s.context, "eval_blocks": s.eval_blocks})
-    out = {name: quality.validation_loss(model, quality.validation_blocks(v, sizes), s.batch) for name, v in val.items()}
+    out = {d: quality.validation_loss(model, quality.validation_blocks(v, sizes), s.batch) for d, v in val.items()}
     model.eval()
     out["mix"] = statistics.fmean(out[d] for d in val)
     return out
@@ -269,7 +270,7 @@ def report(runs: list[dict], s: Sizes, source: str) -> str:
         f"{'holds' if all(d < 0 for d in diff) else 'does not hold' if all(d > 0 for d in diff) else 'mixed'} here; "
         f"(2) each domain routed mostly to its own expert: {own:.2f} of first choices on average "
         f"({'holds' if own > 0.5 else 'does not hold'}).",
-        f"Training time per seed (s, one thread): " + ", ".join(f"{k} {v:.0f}" for k, v in secs.items()) + ".",
+        "Training time per seed (s, one thread): " + ", ".join(f"{k} {v:.0f}" for k, v in secs.items()) + ".",
     ]
     return "\n".join(lines)
 

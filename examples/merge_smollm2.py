@@ -83,7 +83,7 @@ def main() -> None:
     if not (base / "config.json").is_file():
         export_gguf(fetch_gguf(str(work)), str(base))
 
-    print(f"=== 2. Three domain variants (LoRA on the MLPs, {args.steps} steps each, merged into the weights)", flush=True)
+    print(f"=== 2. Three domain variants (LoRA on the MLPs, {args.steps} steps each, merged in)", flush=True)
     texts = domains()
     experts, held_out = [], []
     for seed, (name, text) in enumerate(texts.items()):

@@ -146,8 +146,8 @@ SHARED_EXPERT_TARGETS: dict[str, NativeTarget] = {
 }
 # Families with a native MoE relative that is NOT the same function, and why: part of the error message.
 NO_TARGET_WHY = {
-    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer, and this model has none. Only a zero-width "
-    "one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty "
+    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer, and this model has none. Only a "
+    "zero-width one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty "
     "tensors that serving stacks are not built for; zero weights would declare a shared expert that is not there. A "
     "merge with one gated shared expert (hf-moe merge, architecture: qwen) exports",
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",

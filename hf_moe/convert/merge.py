@@ -128,8 +128,8 @@ class _Plan:
         self._experts = None  # a one-expert `Experts` that checks each expert written (`_check_expert`)
         self.config = self._config(first)
         with torch.device("meta"):  # (the layout: tied weights tied)
-            self.moe = MoEForCausalLM.from_dense(AutoModelForCausalLM.from_config(base_config, dtype=dtype), self.config,
-                                                 None)
+            dense_twin = AutoModelForCausalLM.from_config(base_config, dtype=dtype)
+            self.moe = MoEForCausalLM.from_dense(dense_twin, self.config, None)
         if (Path(recipe.base_model) / "generation_config.json").is_file():
             self.moe.generation_config = GenerationConfig.from_pretrained(recipe.base_model)
         self.prefix = {i: f"{self.layers_path}.{i}.{self.config.moe_block_path}." for i in self.moe_layers}

@@ -77,7 +77,9 @@ def calibrate(plan, writer, progress: bool = True) -> tuple[dict, dict]:
             shared_rows[layer] = None
             if block.shared_expert_gate is not None:
                 row = domain_means(x, labels, num + 1)[num:] if bool((labels == num).any()) else None
-                row = row / row.norm(dim=-1, keepdim=True).clamp(min=1e-8) if row is not None else torch.zeros(1, x.shape[1])
+                if row is None:
+                    row = torch.zeros(1, x.shape[1])
+                row = row / row.norm(dim=-1, keepdim=True).clamp(min=1e-8)
                 block.shared_expert_gate._parameters["weight"] = nn.Parameter(row.to(plan.dtype), requires_grad=False)
                 shared_rows[layer] = row
             bar.update()

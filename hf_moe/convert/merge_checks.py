@@ -77,7 +77,9 @@ def open_sources(recipe: MergeConfig, dtype: torch.dtype | None = None) -> dict[
 
 def _config(path: str) -> PreTrainedConfig:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"No model at {path!r}: hf_moe merges local model directories (download Hub models first).")
+        raise FileNotFoundError(
+            f"No model at {path!r}: hf_moe merges local model directories (download Hub models first)."
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path} has no config.json: it is not a saved Hugging Face model.")
     config = AutoConfig.from_pretrained(path)

@@ -97,12 +97,13 @@ class MergeConfig:
 
     def sources(self) -> list[str]:
         """Every model read, base first, without repeats."""
-        paths = [self.base_model, *(e.source_model for e in self.experts), *(e.source_model for e in self.shared_experts)]
+        paths = [self.base_model, *(e.source_model for e in [*self.experts, *self.shared_experts])]
         return list(dict.fromkeys(paths))
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as a YAML-able dict (what the model card and `config.moe_conversion` record)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("experts", "shared_experts", "router")}
+        lists = ("experts", "shared_experts", "router")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in lists}
         out["experts"] = [_spec_dict(e) for e in self.experts]
         if self.shared_experts:
             out["shared_experts"] = [_spec_dict(e) for e in self.shared_experts]
@@ -148,6 +149,7 @@ def _read_yaml(path: Path) -> dict:
 
 _TOP_LEVEL = {f.name for f in fields(MergeConfig)} - {"router"}
 _SPEC_FIELDS = {f.name for f in fields(ExpertSpec)}
+_MERGEKIT = {"base_model", "experts", "gate_mode", "experts_per_token", "dtype", "shared_experts", "architecture"}
 
 
 def parse_merge_config(data: dict) -> MergeConfig:
@@ -155,12 +157,13 @@ def parse_merge_config(data: dict) -> MergeConfig:
     unknown = sorted(set(data) - _TOP_LEVEL - set(ROUTER_FIELDS))
     if unknown:
         raise MergeConfigError(
-            f"Unknown field(s) {unknown} in the merge config. mergekit-moe's fields: base_model, experts, gate_mode, "
-            f"experts_per_token, dtype, shared_experts, architecture; hf_moe's: {', '.join(sorted(_TOP_LEVEL - {'base_model', 'experts', 'gate_mode', 'experts_per_token', 'dtype', 'shared_experts', 'architecture'}))}, "
-            f"and the router fields {', '.join(ROUTER_FIELDS)}."
+            f"Unknown field(s) {unknown} in the merge config. mergekit-moe's fields: {', '.join(sorted(_MERGEKIT))}; "
+            f"hf_moe's: {', '.join(sorted(_TOP_LEVEL - _MERGEKIT))}, and the router fields {', '.join(ROUTER_FIELDS)}."
         )
     if "base_model" not in data:
-        raise MergeConfigError("The merge config has no base_model: name the model that gives attention, norms and embeddings.")
+        raise MergeConfigError(
+            "The merge config has no base_model: name the model that gives attention, norms and embeddings."
+        )
     if not isinstance(data.get("experts"), list) or not data["experts"]:
         raise MergeConfigError("The merge config needs `experts:`, a list of at least one {source_model: ...}.")
     config = MergeConfig(
@@ -185,7 +188,9 @@ def _model_reference(value, where: str) -> str:
     """mergekit's ModelReference as a path: `path`, or {model: {path: ...}}. LoRA references are refused."""
     if isinstance(value, dict) and set(value) <= {"model", "lora", "override_architecture"}:
         if value.get("lora"):
-            raise MergeConfigError(f"{where} names a LoRA adapter: merge it into its model first (peft's merge_and_unload).")
+            raise MergeConfigError(
+                f"{where} names a LoRA adapter: merge it into its model first (peft's merge_and_unload)."
+            )
         value = value.get("model")
         value = value.get("path") if isinstance(value, dict) else value
     if not isinstance(value, (str, os.PathLike)) or not str(value):
@@ -247,9 +252,9 @@ def _check(c: MergeConfig) -> None:
     if c.layers is not None and not (isinstance(c.layers, list) and all(isinstance(i, int) for i in c.layers)):
         raise MergeConfigError(f"layers must be a list of ints, got {c.layers!r}.")
     for name in ("calibration_tokens", "seed"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (16 if name == "calibration_tokens" else 0):
-            raise MergeConfigError(f"{name} must be an int{' >= 16' if name == 'calibration_tokens' else ' >= 0'}, got {value!r}.")
+        value, low = getattr(c, name), 16 if name == "calibration_tokens" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise MergeConfigError(f"{name} must be an int >= {low}, got {value!r}.")
     if c.gate_mode in PROMPT_MODES:
         _check_prompts(c)
     if c.gate_mode == "calibration":
@@ -271,7 +276,9 @@ def _check_shared(c: MergeConfig) -> None:
             pass  # Qwen3-MoE (qwen3 sources) has none; Qwen2-MoE needs one, checked against the sources' type
         return
     if arch == "mixtral":
-        raise MergeConfigError("architecture=mixtral has no shared expert: remove shared_experts or choose qwen/deepseek.")
+        raise MergeConfigError(
+            "architecture=mixtral has no shared expert: remove shared_experts or choose qwen or deepseek."
+        )
     if arch is None:
         raise MergeConfigError(
             "shared_experts needs an architecture: qwen (the shared expert scaled by a sigmoid gate from its prompts, "
@@ -279,7 +286,9 @@ def _check_shared(c: MergeConfig) -> None:
         )
     prompted = bool(shared.positive_prompts or shared.negative_prompts)
     if arch == "deepseek" and prompted:
-        raise MergeConfigError("architecture=deepseek does not gate its shared expert: remove its positive/negative_prompts.")
+        raise MergeConfigError(
+            "architecture=deepseek does not gate its shared expert: remove its positive/negative_prompts."
+        )
     if arch == "qwen" and c.gate_mode in PROMPT_MODES and not shared.positive_prompts:
         raise MergeConfigError(
             "architecture=qwen gates the shared expert with a sigmoid of its own router row: give shared_experts[0] "

@@ -52,7 +52,8 @@ def gated_specs(recipe: MergeConfig):
     """The experts that get a router row: the routed ones, then the shared one where it is gated (qwen) or the
     mode draws rows for every expert (random), as mergekit does."""
     specs = list(recipe.experts)
-    if recipe.shared is not None and (recipe.shared.positive_prompts or recipe.gate_mode in ("random", "uniform_random")):
+    shared = recipe.shared
+    if shared is not None and (shared.positive_prompts or recipe.gate_mode in ("random", "uniform_random")):
         specs.append(recipe.shared)
     return specs
 

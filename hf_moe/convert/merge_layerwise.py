@@ -36,7 +36,7 @@ def materialize(module: nn.Module, prefix: str, read: Reader, dtype: torch.dtype
         value = value.to(dtype) if value.is_floating_point() else value
         old = owner._parameters[attr]
         if tuple(value.shape) != tuple(old.shape):
-            raise ValueError(f"{key}: read a tensor of shape {tuple(value.shape)} for a parameter of {tuple(old.shape)}")
+            raise ValueError(f"{key}: read a tensor of shape {tuple(value.shape)}, the parameter is {tuple(old.shape)}")
         owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
 
