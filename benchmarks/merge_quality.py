@@ -142,14 +142,23 @@ def evaluate(model, val: dict[str, torch.Tensor], s: Sizes) -> dict[str, float]:
 @torch.no_grad()
 def own_expert_share(model, val: dict[str, torch.Tensor], s: Sizes) -> dict[str, float]:
     """For each domain (expert i = domain i), the share of its validation tokens whose first choice is expert i,
-    mean over MoE layers."""
+    mean over MoE layers; and under "best", the same for the best one-to-one matching of domains to experts in each
+    layer (for models whose experts have no domain of their own, as upcycled ones)."""
+    import itertools
+
     sizes = quality.Sizes(**{**quality.SMOKE.__dict__, "context": s.context, "eval_blocks": s.eval_blocks})
-    out = {}
-    for i, (name, v) in enumerate(val.items()):
-        x = quality.validation_blocks(v, sizes)
+    shares = []  # [domain][layer][expert]
+    for v in val.values():
         with model.base_model.router_recorder.recording() as routings:
-            model(input_ids=x)
-        out[name] = statistics.fmean(r.top_k_index[:, 0].eq(i).float().mean().item() for r in routings)
+            model(input_ids=quality.validation_blocks(v, sizes))
+        shares.append([torch.bincount(r.top_k_index[:, 0], minlength=model.config.num_experts).float()
+                       .div(r.top_k_index.shape[0]).tolist() for r in routings])
+    domains, layers = len(shares), len(shares[0])
+    out = {name: statistics.fmean(shares[i][layer][i] for layer in range(layers)) for i, name in enumerate(val)}
+    out["best"] = statistics.fmean(
+        max(statistics.fmean(shares[d][layer][p[d]] for d in range(domains))
+            for p in itertools.permutations(range(model.config.num_experts), domains))
+        for layer in range(layers))
     return out
 
 
@@ -252,11 +261,15 @@ def report(runs: list[dict], s: Sizes, source: str) -> str:
     for row in ROWS:
         cells = [_ms([r["loss"][row][d] for r in runs]) for d in (*DOMAINS, "mix")]
         lines.append(f"| {row} | {' | '.join(cells)} |")
-    lines += ["", "Share of each domain's tokens whose first choice is its own expert (mean over layers and seeds; "
-              "chance is 1/3):", "", f"| model | {' | '.join(DOMAINS)} |", "|---|" + "---|" * len(DOMAINS)]
+    lines += ["", "Share of each domain's tokens whose first choice is its own expert (expert i = branch i; mean over "
+              "layers and seeds; 1/3 is chance), and with the best one-to-one matching of domains to experts per "
+              "layer (the upcycled model's experts have no domain of their own):", "",
+              f"| model | {' | '.join(DOMAINS)} | best matching |", "|---|" + "---|" * (len(DOMAINS) + 1)]
     for row in ("hidden", "calib", "btx", "upcycled"):
-        shares = [statistics.fmean(r["own_expert"][row][d] for r in runs) for d in DOMAINS]
-        lines.append(f"| {row} | {' | '.join(f'{v:.2f}' for v in shares)} |")
+        shares = [statistics.fmean(r["own_expert"][row][d] for r in runs) for d in (*DOMAINS, "best")]
+        if row == "upcycled":
+            shares[:-1] = [math.nan] * len(DOMAINS)
+        lines.append(f"| {row} | {' | '.join('-' if math.isnan(v) else f'{v:.2f}' for v in shares)} |")
     diff = [r["loss"]["btx"]["mix"] - r["loss"]["upcycled"]["mix"] for r in runs]
     diff_dense = [r["loss"]["btx"]["mix"] - r["loss"]["dense"]["mix"] for r in runs]
     calib = [r["loss"]["calib"]["mix"] - r["loss"]["hidden"]["mix"] for r in runs]
