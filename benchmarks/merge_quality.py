@@ -275,6 +275,12 @@ def report(runs: list[dict], s: Sizes, source: str) -> str:
     calib = [r["loss"]["calib"]["mix"] - r["loss"]["hidden"]["mix"] for r in runs]
     own = statistics.fmean(statistics.fmean(r["own_expert"]["btx"][d] for d in DOMAINS) for r in runs)
     secs = {k: statistics.fmean(r["seconds"][k] for r in runs) for k in runs[0]["seconds"]}
+    # Forward FLOPs per token (2 per multiply-add): attention at the mean causal context, MLP (top-2 of full-size
+    # experts: twice the dense MLP), head. Training is about 3x; the ratios are what matters.
+    attention = s.layers * (8 * s.hidden**2 + 2 * s.hidden * (s.context + 1))
+    dense_f = attention + s.layers * 6 * s.hidden * s.intermediate + 2 * s.hidden * 256
+    moe_f = dense_f + s.layers * 6 * s.hidden * s.intermediate
+    flops = {"btx": 3 * s.branch_steps * dense_f + s.mix_steps * moe_f, "upcycled": cont * moe_f, "dense": cont * dense_f}
     lines += [
         "",
         f"BTX - upcycled on the mix: {_ms(diff)} (per seed: {', '.join(f'{d:+.3f}' for d in diff)}); "
@@ -283,6 +289,8 @@ def report(runs: list[dict], s: Sizes, source: str) -> str:
         f"{'holds' if all(d < 0 for d in diff) else 'does not hold' if all(d > 0 for d in diff) else 'mixed'} here; "
         f"(2) each domain routed mostly to its own expert: {own:.2f} of first choices on average "
         f"({'holds' if own > 0.5 else 'does not hold'}).",
+        "Training FLOPs after the base, relative to dense: "
+        + ", ".join(f"{k} {v / flops['dense']:.2f}" for k, v in flops.items()) + " (same tokens).",
         "Training time per seed (s, one thread): " + ", ".join(f"{k} {v:.0f}" for k, v in secs.items()) + ".",
     ]
     return "\n".join(lines)
