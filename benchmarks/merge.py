@@ -227,6 +227,8 @@ def cost_main(args) -> None:
         if mergekit:
             tools["mergekit-moe (random)"] = [mergekit, str(recipes["random"]), str(out)]
             tools["mergekit-moe (hidden)"] = [mergekit, str(recipes["hidden"]), str(out)]
+        if src == big and not args.big_hidden:  # (time: the hidden gates' cost shows on the small model)
+            tools = {k: v for k, v in tools.items() if "hidden" not in k}
         if mixturekit:
             tools["MixtureKit build_moe"] = [mixturekit, "-c", MIXTUREKIT, str(out), *map(str, paths)]
         runs = {name: [] for name in tools}
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a Python with MixtureKit 1.1.1 installed")
     p.add_argument("--size", type=float, default=2.0, help="GB (bf16) of the synthetic model for `cost`")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--big-hidden", action="store_true", help="cost: time the hidden gates on the ~1B model too")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--seeds", type=int)
     p.add_argument("--jobs", type=int, default=2)
