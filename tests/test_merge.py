@@ -132,6 +132,23 @@ def test_bad_recipes_are_refused_with_the_field_named(sources, change, message):
     assert message in str(err.value)
 
 
+def test_hub_ids_are_read_from_their_snapshot(sources, tmp_path, monkeypatch):
+    """mergekit configs name Hub models (`org/name`, `org/name@revision`): merged from huggingface_hub's snapshot."""
+    import huggingface_hub
+
+    fetched = []
+
+    def snapshot(repo, revision=None, allow_patterns=None):
+        fetched.append((repo, revision))
+        return sources[int(repo[-1])]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    recipe = _recipe(["org/m0", "org/m1@v2", "org/m2", sources[3]])
+    merge_to_moe(recipe, tmp_path / "out", progress=False)
+    assert fetched == [("org/m0", None), ("org/m1", "v2"), ("org/m2", None)]
+    assert MoEForCausalLM.from_pretrained(tmp_path / "out").config.num_experts == 3
+
+
 def test_same_prompts_for_every_expert_is_refused_as_mergekit_does(sources):
     experts = [{"source_model": s, "positive_prompts": ["same"]} for s in sources[1:]]
     with pytest.raises(MergeConfigError, match="same positive and negative prompts"):

@@ -33,7 +33,7 @@ from ..compat import convert_file_size_to_int
 from ..modeling import MoEForCausalLM
 from .adapters import DenseMLP, find_decoder_layers, find_mlp
 from .api import OPTIONS, ROUTER_DEFAULTS, _dtype, _license, _select_layers, moe_config
-from .merge_checks import Source, open_sources
+from .merge_checks import Source, localize, open_sources
 from .merge_config import MergeConfig, MergeConfigError, load_merge_config
 from .merge_calibration import calibrate
 from .merge_gates import gated_specs, prompt_gates
@@ -59,7 +59,7 @@ def merge_to_moe(recipe, out: str | os.PathLike, *, max_shard_size: int | str = 
         MergeConfigError, MergeSourceError (both ValueError): a malformed recipe, or sources of another architecture,
             shape, vocabulary or tokenizer, before any weight is read.
     """
-    recipe = load_merge_config(recipe, **overrides)
+    recipe = localize(load_merge_config(recipe, **overrides))
     for path in recipe.sources():
         if same_directory(path, out):
             raise MergeConfigError(f"The output directory {out} is the source model {path}: choose another one.")

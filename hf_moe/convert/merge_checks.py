@@ -7,7 +7,9 @@ mismatch and both values.
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,36 @@ def open_sources(recipe: MergeConfig, dtype: torch.dtype | None = None) -> dict[
         sources[path] = Source(path, configs[path], tensors, names)
     _check_tokenizers(recipe.base_model, paths[1:])
     return sources
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def localize(recipe: MergeConfig) -> MergeConfig:
+    """`recipe` with every Hub id (`org/name`, or mergekit's `org/name@revision`, that is not a local directory)
+    replaced by its local snapshot (huggingface_hub's cache; downloaded once, safetensors and tokenizer only)."""
+    paths = {}
+    for path in recipe.sources():
+        if os.path.isdir(path) or not _HUB_ID.fullmatch(path):
+            continue
+        from huggingface_hub import snapshot_download
+
+        repo, _, revision = path.partition("@")
+        try:
+            paths[path] = snapshot_download(repo, revision=revision or None, allow_patterns=_HUB_FILES)
+        except Exception as err:  # offline, no such repository, gated
+            raise FileNotFoundError(
+                f"{path} is not a local directory and could not be fetched from the Hub ({type(err).__name__}: "
+                f"{err}). Download it first, or name a local directory."
+            ) from None
+    if not paths:
+        return recipe
+    recipe = copy.deepcopy(recipe)
+    recipe.base_model = paths.get(recipe.base_model, recipe.base_model)
+    for spec in [*recipe.experts, *recipe.shared_experts]:
+        spec.source_model = paths.get(spec.source_model, spec.source_model)
+    return recipe
 
 
 def _config(path: str) -> PreTrainedConfig:
