@@ -126,6 +126,8 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
         lines.append(f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a random probe")
     elif "max_abs_block_diff" in conv:
         lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {block_diff_text(conv)} per layer")
+    elif "max_abs_expert_diff" in conv:
+        lines.append(f"  conversion       {method}: every expert within {conv['max_abs_expert_diff']:.2e} of its source MLP")
     elif conv:
         lines.append(f"  conversion       {method}")
     return "\n".join(lines)
