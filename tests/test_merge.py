@@ -173,6 +173,19 @@ def test_copies_of_one_model_merge_to_that_model(sources, tmp_path, top_k, non_e
             assert torch.equal(param, moe.get_parameter(name)), name
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "phi3", "opt"])  # Conv1D + biases, fused gate_up, MLP in the layer
+def test_copies_merge_to_the_model_in_other_families(tmp_path, model_type):
+    path = _save(tiny_dense(model_type, seed=1), tmp_path / "m")
+    recipe = {"base_model": path, "experts": [{"source_model": path, "calibration_data": None,
+                                                "positive_prompts": [p]} for p in PROMPTS[:3]],
+              "gate_mode": "calibration", "non_expert_weights": "average", "dtype": "float32"}
+    merge_to_moe(recipe, tmp_path / "out", progress=False)
+    moe = MoEForCausalLM.from_pretrained(tmp_path / "out")
+    assert moe.config.moe_conversion["max_abs_expert_diff"] < 1e-6
+    ids = random_ids()
+    torch.testing.assert_close(_logits(moe, ids), _logits(tiny_dense(model_type, seed=1), ids), rtol=0, atol=2e-5)
+
+
 def test_routing_every_token_to_expert_i_gives_source_i_mlp(sources, tmp_path):
     merge_to_moe(_recipe(sources, non_expert_weights="average"), tmp_path / "out", progress=False)
     moe = MoEForCausalLM.from_pretrained(tmp_path / "out").eval()
