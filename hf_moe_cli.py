@@ -1,6 +1,6 @@
 """The `hf-moe` command: parsing only, with the standard library.
 
-Every command's work lives in `hf_moe.cli` and is imported when the command runs, so `hf-moe --help` (and a typo)
+Every command's work lives in `hf_moe.commands` and is imported when the command runs, so `hf-moe --help` (and a typo)
 answers at once instead of after importing torch and transformers (several seconds). This module sits outside the
 `hf_moe` package on purpose: importing anything inside it runs `hf_moe/__init__.py`, which registers the model with
 transformers.
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, 1 when `verify` finds
     damage, or 2 for bad input."""
     args = _parser().parse_args(argv)
-    from hf_moe.cli import run  # the heavy imports start here
+    from hf_moe.commands import run  # the heavy imports start here
 
     return run(args)
 

@@ -27,6 +27,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
 )
 
 # --------------------------------------------------------------------------------------------------------------
@@ -140,6 +143,9 @@ __all__ = [
     "Conv1D",
     "MODEL_FOR_CAUSAL_LM_MAPPING",
     "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING",
+    "MODEL_MAPPING",
     "MergeModulelist",
     "TESTED",
     "TRANSFORMERS_VERSION",

@@ -4,7 +4,9 @@ A converted model keeps its base architecture, so its config must keep every fie
 `attribute_map` entry) of the base config class. `MoEConfig` is therefore specialised per base config class:
 `MoEConfig(base_model_type="llama", ...)` returns an instance of `MoELlamaConfig`, a dataclass that derives
 from both `MoEConfig` and `LlamaConfig`. The specialised classes are made on demand and live in this module's
-namespace, so they pickle by reference.
+namespace, so they pickle by reference. Each new one is announced to the hooks of `add_config_class_hook`:
+`hf_moe.auto` registers the matching model classes with transformers' Auto classes through it, so that
+`AutoModelForCausalLM.from_pretrained` finds them from a freshly loaded config.
 
 The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`,
 `router_aux_loss_coef`, `output_router_logits`, `moe_intermediate_size`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
@@ -22,8 +25,9 @@ from transformers.activations import ACT2FN
 
 from .compat import CONFIG_MAPPING, attn_implementation
 from .layers.router import ROUTERS
+from .version import __version__
 
-# Version of the on-disk layout (`checkpoint.py`). A reader refuses a checkpoint with a newer format.
+# Version of the on-disk layout (`hf_moe.checkpoint.format`). A reader refuses a checkpoint with a newer format.
 CHECKPOINT_FORMAT_VERSION = 1
 
 
@@ -128,8 +132,6 @@ class MoEConfig(PreTrainedConfig):
         kwargs.pop("model_type", None)  # always "hf_moe"; a stale base value must not shadow it
         _check_types(self)
         if self.hf_moe_format > CHECKPOINT_FORMAT_VERSION:
-            from . import __version__
-
             raise ValueError(
                 f"This config was written by a newer hf_moe (checkpoint format {self.hf_moe_format}); "
                 f"hf_moe {__version__} reads format {CHECKPOINT_FORMAT_VERSION} and older. "
@@ -321,14 +323,25 @@ def _base_config_class(base_model_type: str | None) -> type[PreTrainedConfig]:
 
 
 _CONFIG_CLASSES: dict[type[PreTrainedConfig], type[MoEConfig]] = {}
+_CONFIG_CLASS_HOOKS: list[Callable[[type[MoEConfig]], None]] = []
+
+
+def add_config_class_hook(hook: Callable[[type[MoEConfig]], None]) -> None:
+    """Call `hook(cls)` for every specialised config class, those made so far and each new one.
+
+    The one extension point of this module: it lets `hf_moe.auto` register the model classes of a new base with
+    transformers' Auto classes, while this module stays below the model code (it imports nothing of it).
+    """
+    if hook in _CONFIG_CLASS_HOOKS:
+        return
+    _CONFIG_CLASS_HOOKS.append(hook)
+    for cls in list(_CONFIG_CLASSES.values()):
+        hook(cls)
 
 
 def moe_config_class(base_config_class: type[PreTrainedConfig]) -> type[MoEConfig]:
-    """The `MoEConfig` subclass that also derives from `base_config_class` (e.g. `MoELlamaConfig`).
-
-    Making one also makes (and registers with `AutoModelForCausalLM`) the matching model class, so that
-    `AutoModelForCausalLM.from_pretrained` finds it from a freshly loaded config.
-    """
+    """The `MoEConfig` subclass that also derives from `base_config_class` (e.g. `MoELlamaConfig`), made on first
+    use and announced to the hooks of `add_config_class_hook`."""
     if base_config_class in _CONFIG_CLASSES:
         return _CONFIG_CLASSES[base_config_class]
     if issubclass(base_config_class, MoEConfig):
@@ -343,9 +356,8 @@ def moe_config_class(base_config_class: type[PreTrainedConfig]) -> type[MoEConfi
     }
     cls = _CONFIG_CLASSES[base_config_class] = type(name, (MoEConfig, base_config_class), namespace)
     setattr(sys.modules[__name__], name, cls)
-    from .modeling import register_model_class  # here, not at the top: modeling imports this module
-
-    register_model_class(cls)
+    for hook in _CONFIG_CLASS_HOOKS:
+        hook(cls)
     return cls
 
 

@@ -34,12 +34,12 @@ def report() -> str:
     import torch
     import transformers
 
-    import hf_moe
     from hf_moe.ops import backend_report
+    from hf_moe.version import __version__
 
     cuda = torch.cuda.is_available()
     lines = [
-        f"hf_moe        {hf_moe.__version__}",
+        f"hf_moe        {__version__}",
         f"python        {platform.python_version()} ({platform.machine()})",
         f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, threads: {torch.get_num_threads()})",
         f"transformers  {transformers.__version__}",

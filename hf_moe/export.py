@@ -36,13 +36,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .checkpoint import (
-    _commit,
     checkpoint_config,
     resolve_output_directory,
     same_directory,
     staging_directory,
     stays_inside,
 )
+from .checkpoint.commit import commit
 from .configuration import MoEConfig
 from .convert.api import _logits, _probe_input
 from .model_card import render_native_card
@@ -451,7 +451,7 @@ def export_native(
         if verify:
             _measure(moe, staging, result)
         (staging / "README.md").write_text(render_native_card(moe, config, result))
-        _commit(staging, target)
+        commit(staging, target)
     return result
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import _EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
+from .checkpoint import EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
 from .model_card import block_diff_text
 
 
@@ -50,7 +50,7 @@ def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
             info.num_tensors += 1
             info.num_bytes += end - begin
             total += numel
-            match = _EXPERT_KEY.match(key)
+            match = EXPERT_KEY.match(key)
             if match:
                 expert += numel
                 info.experts.add(int(match["expert"]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .version import __version__
+
 _MARKER = "<!-- hf_moe model card:"
 _HERE = Path(__file__).resolve().parent
 # model_cards/ at the top of a source checkout (and of editable installs); inside the package in a wheel.
@@ -46,8 +48,6 @@ def _weighting(config) -> str:
 
 def render_model_card(model) -> str:
     """Fill the template from the model's config and parameter counts."""
-    from . import __version__
-
     c = model.config
     conv = dict(c.moe_conversion or {})
     counts = model.parameter_counts()
@@ -102,8 +102,6 @@ def render_model_card(model) -> str:
 def render_native_card(model, native_config, export) -> str:
     """The model card of a native export (`hf_moe.export_native`): `model` is the hf_moe model exported,
     `native_config` the native config written, `export` the `NativeExport` (with the measured logit difference)."""
-    from . import __version__
-
     c = model.config
     conv = dict(c.moe_conversion or {})
     counts = model.parameter_counts()

@@ -72,7 +72,7 @@ def test_no_fault_damages_out_or_leaks_staging(tmp_path):
             assert any(f["error"] for f in kinds[(op, kind)]), (op, kind)  # the fault did make the operation fail
     assert len(kinds[("save", "SIGKILL, two renames")]) >= 8
     assert any(f["absent_before_load"] for f in kinds[("save", "SIGKILL, two renames")])  # the window was hit
-    from hf_moe.checkpoint import _renameat2
+    from hf_moe.checkpoint.commit import _renameat2
 
     if _renameat2() is not None:  # with RENAME_EXCHANGE, OUT is never absent
         assert not any(f["absent_before_load"] for f in faults if f["kind"] == "SIGKILL")
@@ -86,9 +86,11 @@ IO_CALLS = {
     "ftruncate", "fsync", "copy_file_range", "preadv", "readinto", "flock", "serialize_file", "listdir", "scandir",
     "copyfile", "utime", "chmod",
 }
-OUR_FILES = {str(ROOT / "hf_moe" / name) for name in ("checkpoint.py", "export.py", "convert/stream.py")}
-COMMIT_MARKERS = {"_commit", "_commit:return", "_exchange", "_exchange:return", "os.rename", "_carry_unrelated",
-                  "_release", "_unlock", "_finish", "_new_staging:return", "write_text"}
+OUR_FILES = {str(p) for p in (ROOT / "hf_moe" / "checkpoint").glob("*.py")} | {
+    str(ROOT / "hf_moe" / name) for name in ("export.py", "convert/stream.py")
+}
+COMMIT_MARKERS = {"commit", "commit:return", "_exchange", "_exchange:return", "os.rename", "_carry_unrelated",
+                  "_release", "_unlock", "finish", "new_staging:return", "write_text"}
 
 
 class Markers:
@@ -255,9 +257,9 @@ def kill_points(names: list[str], evenly: int) -> list[int]:
 
 
 def _two_renames():
-    import hf_moe.checkpoint as checkpoint
+    import hf_moe.checkpoint.commit as commit
 
-    checkpoint._exchange = lambda a, b: False  # as on a platform without RENAME_EXCHANGE
+    commit._exchange = lambda a, b: False  # as on a platform without RENAME_EXCHANGE
 
 
 def _limit(resource_id, soft):

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import hf_moe.checkpoint as checkpoint
+import hf_moe.checkpoint.commit as commit
 from hf_moe import CheckpointError, MoEForCausalLM, convert_checkpoint, convert_to_moe, export_native
 from hf_moe.cli import main as cli
 
@@ -536,13 +537,13 @@ def test_export_into_its_own_source_spelled_differently_is_refused(saved, tmp_pa
 def test_save_swaps_the_directories_in_one_step(saved, tmp_path, monkeypatch):
     """Where renameat2(RENAME_EXCHANGE) exists, OUT is never absent: the commit is one exchange (a kill at every
     point of it is in test_faults.py)."""
-    if checkpoint._renameat2() is None:
+    if commit._renameat2() is None:
         pytest.skip("no renameat2 on this platform")
     out = copy_of(saved[0], tmp_path / "out")
     before = out.stat().st_ino
     exchanges = []
-    exchange = checkpoint._exchange
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: exchanges.append(exchange(a, b)) or exchanges[-1])
+    exchange = commit._exchange
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: exchanges.append(exchange(a, b)) or exchanges[-1])
     MoEForCausalLM.from_pretrained(out).save_pretrained(out)
     assert exchanges == [True] and out.stat().st_ino != before and _leftovers(out) == []
 
@@ -563,7 +564,7 @@ def test_a_commit_killed_between_its_two_renames_is_recovered_by_the_next_load(s
 
 
 def test_without_rename_exchange_the_two_renames_still_commit(saved, tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     out = copy_of(saved[0], tmp_path / "out")
     model = convert_to_moe(tiny_dense("llama", seed=2), num_experts=4, top_k=2)
     model.save_pretrained(out)

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
-from ..modeling import MoEForCausalLM
+from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block
@@ -87,11 +87,12 @@ def convert_to_moe(
     *,
     inplace: bool = False,
     **options,
-) -> MoEForCausalLM:
-    """Turn a dense causal LM into an `MoEForCausalLM`.
+) -> MoEPreTrainedModel:
+    """Turn a dense causal LM into an `MoEForCausalLM` (or a classifier of the family, a `...ForSequenceClassification`
+    or `...ForTokenClassification`, into the MoE class of its head).
 
     Args:
-        model_or_path: a loaded `...ForCausalLM`, or a local directory / Hub id to load it from. A loaded model is
+        model_or_path: a loaded model, or a local directory / Hub id to load the causal LM from. A loaded model is
             left as it was (the MoE model is built on a copy of it) unless `inplace=True`.
         num_experts: experts per MoE layer.
         top_k: experts per token (`num_experts_per_tok`).
@@ -145,7 +146,7 @@ def convert_to_moe(
     for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False):
         layer_acts = activations.pop(i) if activations is not None else None
         blocks[i] = convert_block(method, mlps.pop(i), config, opts, layer_acts, generator)
-    moe = MoEForCausalLM.from_dense(model, config, blocks)
+    moe = MoEPreTrainedModel.from_dense(model, config, blocks)
 
     if dense_logits is not None:
         moe_logits = _logits(moe, probe)
@@ -376,11 +377,12 @@ def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, s
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
         _check_model_type(model.config, type(model).__name__)
-        causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
-        if not isinstance(model, causal_lm if isinstance(causal_lm, type) else tuple(causal_lm)):
+        heads = [base_head_class(head, type(model.config)) for head in HEADS]
+        if not isinstance(model, tuple(h for h in heads if h is not None)):
+            names = ", ".join(h.__name__ for h in heads if h is not None)
             raise ValueError(
-                f"Pass the causal LM ({getattr(causal_lm, '__name__', causal_lm)}), not {type(model).__name__}: "
-                "hf_moe returns a model with its LM head."
+                f"Pass the causal LM or a classifier of the family ({names}), not {type(model).__name__}: hf_moe "
+                "returns the same head over an MoE backbone."
             )
         if not inplace:
             model = copy.deepcopy(model)

@@ -27,8 +27,9 @@ from accelerate import init_empty_weights
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from ..checkpoint import _finish, _plan_shards, checkpoint_state_dict, resolve_output_directory, same_directory
-from ..checkpoint import staging_directory
+from ..checkpoint import checkpoint_state_dict, resolve_output_directory, same_directory, staging_directory
+from ..checkpoint.layout import plan_shards
+from ..checkpoint.save import finish
 from ..compat import convert_file_size_to_int
 from ..modeling import MoEForCausalLM
 from .adapters import DenseMLP, find_decoder_layers, find_mlp
@@ -85,7 +86,7 @@ def merge_to_moe(recipe, out: str | os.PathLike, *, max_shard_size: int | str = 
             plan.write_routers(writer, routers, shared_gates)
         writer.close()
         _save_extras(recipe, base, staging)
-        _finish(plan.moe, staging, target, [writer.weight_map])
+        finish(plan.moe, staging, target, [writer.weight_map])
     return plan.moe
 
 
@@ -148,7 +149,7 @@ class _Plan:
             else:
                 raise MergeConfigError(f"the merged model has a tensor {key!r} that the base model does not hold.")
         meta = {k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in self.layout.items()}
-        self.shards = _plan_shards(meta, max_bytes)
+        self.shards = plan_shards(meta, max_bytes)
 
     def _config(self, first: DenseMLP):
         r = self.recipe

@@ -33,9 +33,6 @@ from ..compat import convert_file_size_to_int
 from ..checkpoint import (
     SAFETENSORS_DTYPES,
     CheckpointError,
-    _finish,
-    _plan_shards,
-    _read_header,
     checkpoint_file,
     checkpoint_state_dict,
     fused_key,
@@ -45,6 +42,9 @@ from ..checkpoint import (
     split_experts,
     staging_directory,
 )
+from ..checkpoint.headers import read_header
+from ..checkpoint.layout import plan_shards
+from ..checkpoint.save import finish
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
@@ -148,7 +148,7 @@ def convert_checkpoint(
         else:
             raise StreamingUnsupported(f"the model has a tensor {key!r} that the checkpoint does not hold.")
 
-    shards = _plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
+    shards = plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
                           convert_file_size_to_int(max_shard_size))
     target = resolve_output_directory(out, "Cannot write the MoE checkpoint to")
     if opts["verify"]:
@@ -184,7 +184,7 @@ def convert_checkpoint(
                 probe=f"per MoE layer: 16 random hidden states through the dense MLP and the MoE block, "
                 f"{str(working_dtype).removeprefix('torch.')}, eval mode",
             )
-        _finish(moe, staging, target, [writer.weight_map])
+        finish(moe, staging, target, [writer.weight_map])
     return moe
 
 
@@ -275,7 +275,7 @@ class _SafetensorsSource:
             path = checkpoint_file(directory, name, str(index))
             if not path.is_file():
                 raise FileNotFoundError(f"{index} lists {name}, which is missing: re-download or re-save the model.")
-            header, raw = _read_header(path)
+            header, raw = read_header(path)
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
@@ -390,7 +390,7 @@ class _ShardWriter:
         for filename, tensors in self.shards.items():
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offsets, offset = {}, 0
-            for key in tensors:  # _plan_shards gives them in natural order
+            for key in tensors:  # plan_shards gives them in natural order
                 dtype, shape = self.layout[key]
                 nbytes = math.prod(shape) * dtype.itemsize
                 header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}

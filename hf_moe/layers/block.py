@@ -47,12 +47,14 @@ class SparseMoeBlock(nn.Module):
 
     Forward:
         hidden_states [..., H] -> [..., H]
+
+    `expert_range` (start, end) builds only experts [start, end) (see `Experts`).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.gate = build_router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, expert_range)
         self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
         gated = self.shared_experts is not None and getattr(config, "shared_expert_gate", False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None  # [1, H]

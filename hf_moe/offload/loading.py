@@ -34,7 +34,9 @@ _CONFLICTS = {
 
 
 def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expert_parallel: bool = False, **kwargs):
-    """Load a saved MoE model with its experts offloaded. Takes `from_pretrained`'s arguments plus:
+    """Load a saved MoE model with its experts offloaded, as an instance of `model_class` (`MoEForCausalLM` or one
+    of its specialised classes; `model_class._specialised_for` picks the one of the checkpoint's base). Takes
+    `from_pretrained`'s arguments plus:
 
     Args:
         offload_experts: "disk" (CPU machines: experts read from their files when picked) or "cpu" (GPU machines:
@@ -96,10 +98,7 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
     check_dtype = dtype if isinstance(dtype, torch.dtype) else disk.dtype()
     expert_slots(budget, layout.expert_bytes(check_dtype), layout.top_k, layout.num_layers * layout.num_experts)
 
-    if model_class.base_model_class is None:
-        from ..modeling import moe_model_class_for_config
-
-        model_class = moe_model_class_for_config(config)
+    model_class = model_class._specialised_for(directory, {"config": config})
     with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
         model = _without_experts(model_class).from_pretrained(view, *model_args, config=config, _validated=True, **kwargs)
     model.__class__ = model_class

@@ -1,0 +1,42 @@
+"""Per-expert safetensors checkpoints: the format, the one guarded opener, checks, checksums, atomic commit, save,
+load and verify. Each module does one of these; this package re-exports what the rest of hf_moe and its users call.
+
+    format.py      file and key names, dtypes, limits, the `auto_map` shim, `CheckpointError`
+    guard.py       the one way a file of a checkpoint is opened (inside the directory, bounded)
+    headers.py     safetensors headers, read and checked
+    checksums.py   per-file and per-tensor hashes, recorded at save and checked at load
+    layout.py      fused expert parameters <-> per-expert keys, and shards planned by size
+    commit.py      staging, locks, the atomic swap, recovery from killed writers
+    save.py        `save_checkpoint`
+    checks.py      the checks before load
+    load.py        `validate_checkpoint`, the views of a directory for expert-parallel and offloaded loads,
+                   `load_checkpoint`
+    verify.py      `verify_checkpoint` (`hf-moe verify`)
+"""
+
+from .checks import checkpoint_config, expected_tensors, read_index
+from .checksums import file_checksums, recorded_checksums
+from .commit import (
+    clean_stale_staging, recover_interrupted_commit, resolve_output_directory, same_directory, staging_directory,
+)
+from .format import (
+    CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, EXPERT_FILE_PREFIX, EXPERT_KEY,
+    EXPERT_PARAM_NAMES, INDEX_NAME, SAFETENSORS_DTYPES, VERIFY_CHECKSUMS_BY_DEFAULT, CheckpointError,
+    expected_expert_keys, fused_key,
+)
+from .guard import checkpoint_file, stays_inside
+from .headers import read_safetensors_header
+from .layout import checkpoint_state_dict, split_experts
+from .load import load_checkpoint, local_expert_view, missing_keys_error, validate_checkpoint
+from .save import save_checkpoint
+from .verify import VerifyReport, verify_checkpoint
+
+__all__ = [
+    "CHECKPOINT_FORMAT_VERSION", "CHECKSUM_ALGORITHM", "CHECKSUM_ALGORITHMS", "EXPERT_FILE_PREFIX", "EXPERT_KEY",
+    "EXPERT_PARAM_NAMES", "INDEX_NAME", "SAFETENSORS_DTYPES", "VERIFY_CHECKSUMS_BY_DEFAULT", "CheckpointError",
+    "VerifyReport", "checkpoint_config", "checkpoint_file", "checkpoint_state_dict", "clean_stale_staging",
+    "expected_expert_keys", "expected_tensors", "file_checksums", "fused_key", "load_checkpoint", "local_expert_view",
+    "missing_keys_error", "read_index", "read_safetensors_header", "recorded_checksums", "recover_interrupted_commit",
+    "resolve_output_directory", "same_directory", "save_checkpoint", "split_experts", "staging_directory",
+    "stays_inside", "validate_checkpoint", "verify_checkpoint",
+]
