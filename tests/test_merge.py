@@ -387,4 +387,4 @@ def test_merge_benchmark_quality_smoke_run(tmp_path):
         assert row in report, row
     assert "BTX's claim" in report
     run = json.loads((tmp_path / "merge_quality_runs.jsonl").read_text().splitlines()[0])
-    assert set(run["own_expert"]["btx"]) == {"kjv", "pydocs", "pycode"}
+    assert set(run["own_expert"]["btx"]) == {"kjv", "pydocs", "pycode", "best"}
