@@ -232,7 +232,8 @@ def cost_main(args) -> None:
         if mixturekit:
             tools["MixtureKit build_moe"] = [mixturekit, "-c", MIXTUREKIT, str(out), *map(str, paths)]
         runs = {name: [] for name in tools}
-        for _ in range(args.repeats):
+        repeats = args.big_repeats if src == big else args.repeats
+        for _ in range(repeats):
             for name, cmd in tools.items():  # interleaved: a slow spell of the machine hits every tool
                 shutil.rmtree(out, ignore_errors=True)
                 runs[name].append(timed(cmd, env={**os.environ, "HF_MOE_BACKEND": "torch"}))
@@ -240,7 +241,7 @@ def cost_main(args) -> None:
         shutil.rmtree(out, ignore_errors=True)
         one = size(src)
         ref = {k: statistics.median(v[k] for v in runs["hf-moe merge (random)"]) for k in (0, 1)}
-        print(f"\n{label}: 4 sources of {one / 1e9:.2f} GB; median (min-max) of {args.repeats} interleaved runs\n")
+        print(f"\n{label}: 4 sources of {one / 1e9:.2f} GB; median (min-max) of {repeats} interleaved run(s)\n")
         print("| tool | wall s | x hf-moe | peak RSS GB | x hf-moe | RSS / one source |\n|---|---|---|---|---|---|")
         for name, values in runs.items():
             wall = [v[0] for v in values]
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a Python with MixtureKit 1.1.1 installed")
     p.add_argument("--size", type=float, default=2.0, help="GB (bf16) of the synthetic model for `cost`")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--big-repeats", type=int, default=1, help="cost: runs of each tool on the ~1B model")
     p.add_argument("--big-hidden", action="store_true", help="cost: time the hidden gates on the ~1B model too")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--seeds", type=int)
