@@ -208,12 +208,15 @@ def copies(src: Path, work: Path, name: str, n: int = 4) -> list[Path]:
 def cost_main(args) -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    models = {"SmolLM2-135M (fp32)": smollm2(work)}
+    models = {"SmolLM2-135M (fp32)": smollm2(work)} if "small" in args.models else {}
     big = work / "dense-1b"
-    if not (big / "config.json").is_file():
-        subprocess.run([sys.executable, str(HERE / "make_dense_checkpoint.py"), str(big), "--size", str(args.size)],
-                       check=True)
-    models[f"synthetic Llama ~{args.size / 2:.1f}B (bf16)"] = big
+    if "big" in args.models:
+        if not (big / "config.json").is_file():
+            subprocess.run([sys.executable, str(HERE / "make_dense_checkpoint.py"), str(big), "--size",
+                            str(args.size)], check=True)
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # mergekit-moe needs one (any: random gates)
+                shutil.copy(smollm2(work) / name, big / name)
+        models[f"synthetic Llama ~{args.size / 2:.1f}B (bf16)"] = big
     mergekit, mixturekit = _tool(args, "mergekit"), _tool(args, "mixturekit")
     size = lambda p: sum(f.stat().st_size for f in Path(p).glob("*.safetensors"))  # noqa: E731
     for label, src in models.items():
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a Python with MixtureKit 1.1.1 installed")
     p.add_argument("--size", type=float, default=2.0, help="GB (bf16) of the synthetic model for `cost`")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--models", default="small,big", help="cost: small (SmolLM2-135M copies), big (~1B), or both")
     p.add_argument("--big-repeats", type=int, default=1, help="cost: runs of each tool on the ~1B model")
     p.add_argument("--big-hidden", action="store_true", help="cost: time the hidden gates on the ~1B model too")
     p.add_argument("--smoke", action="store_true")
