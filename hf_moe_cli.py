@@ -53,10 +53,18 @@ def _parser() -> argparse.ArgumentParser:
                          "by tensor and check every MoE block against its MLP)")
     convert.add_argument("--max-shard-size", default="5GB")
 
+    # merge (issue 21): several dense fine-tunes of one base -> one MoE; hf_moe/convert/merge.py
+    merge = sub.add_parser("merge", help="merge dense fine-tunes of one base model into one MoE (a mergekit-moe "
+                           "YAML, with hf_moe's fields beside mergekit's; see docs/merging.md)")
+    merge.add_argument("config", help="the merge recipe (YAML)")
+    merge.add_argument("out", help="output directory")
+    merge.add_argument("--max-shard-size", default="5GB")
+
     inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
     inspect.add_argument("dir")
     inspect.add_argument("--routing", action="store_true", help="run the model over --data and show the routing")
-    inspect.add_argument("--data", help="text file for --routing")
+    inspect.add_argument("--data", nargs="+", help="text file(s) for --routing; several files = several domains: "
+                         "which expert each domain's tokens go to, per layer")
     inspect.add_argument("--max-tokens", type=int, default=4096)
     inspect.add_argument("--heatmap", help="PNG path for the layers x experts load heatmap (default: DIR/routing.png)")
 

@@ -20,6 +20,7 @@ from .version import __version__
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
 
 _LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
+_LAZY["merge_to_moe"] = "hf_moe.convert.merge"  # issue 21: merging several dense models (loaded on first use)
 
 
 def __getattr__(name: str):
@@ -56,6 +57,7 @@ __all__ = [
     "parallelize",
     "export_native",
     "load_balancing_loss",
+    "merge_to_moe",
     "register_router",
     "router_z_loss",
 ]

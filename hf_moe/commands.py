@@ -80,12 +80,36 @@ def _inspect(args) -> None:
     config, summary, tokens = routing_summary(args.dir, args.data, max_tokens=args.max_tokens)
     print()
     print(format_routing(config, summary, tokens))
+    if len(args.data) > 1:  # several domains (issue 21): which expert each domain's tokens go to
+        from .inspect import domain_routing, format_domain_routing
+
+        print()
+        print(format_domain_routing(*domain_routing(args.dir, args.data, max_tokens=args.max_tokens)))
     heatmap = args.heatmap or os.path.join(args.dir, "routing.png")
     try:
         save_heatmap(config, summary, heatmap)
         print(f"heatmap: {heatmap}")
     except ImportError as err:
         print(f"(no heatmap: {err})", file=sys.stderr)
+
+
+def _merge(args) -> None:
+    """`hf-moe merge CONFIG OUT` (issue 21): the work is hf_moe/convert/merge.py's."""
+    from .convert.merge import merge_to_moe
+
+    start = time.perf_counter()
+    model = merge_to_moe(args.config, args.out, max_shard_size=args.max_shard_size)
+    c, counts, conv = model.config, model.parameter_counts(), model.config.moe_conversion
+    print(
+        f"Merged {c.num_experts} models into {args.out} in {time.perf_counter() - start:.1f}s: {len(c.moe_layers)} "
+        f"MoE layers x {c.num_experts} experts (top-{c.num_experts_per_tok})"
+        f"{', 1 shared' if c.num_shared_experts else ''}, gates {conv['options']['gate_mode']}, non-expert weights "
+        f"{conv['options']['non_expert_weights']}; {counts['total'] / 1e6:.1f}M parameters, "
+        f"{counts['active'] / 1e6:.1f}M active per token."
+    )
+    if "max_abs_expert_diff" in conv:
+        print(f"Every expert, as written, reproduces its source model's MLP within {conv['max_abs_expert_diff']:.2e} "
+              f"(outputs up to {conv['max_abs_mlp_output']:.2g}) on a random probe.")
 
 
 def _export(args) -> None:
@@ -246,7 +270,7 @@ def _plan(args) -> None:
 
 
 COMMANDS = {
-    "convert": _convert, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan, "generate": _generate,
+    "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan, "generate": _generate,
 }
 
 

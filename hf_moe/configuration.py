@@ -64,6 +64,8 @@ class MoEConfig(PreTrainedConfig):
             `shared_experts` of intermediate size num_shared_experts * shared_expert_intermediate_size.
         shared_expert_intermediate_size (`int`): intermediate size of one shared expert (default:
             moe_intermediate_size).
+        shared_expert_gate (`bool`): scale the shared experts' output by sigmoid(x W_g), W_g [1, H]
+            (`shared_expert_gate`), as Qwen2-MoE does (what `hf-moe merge` with `architecture: qwen` builds).
         moe_output_bias (`bool`): the block adds a bias `bias` [H] to its output (neuron-split conversions of MLPs
             with an output bias and no shared expert, where the bias must be added once whatever the routing).
         router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
@@ -106,6 +108,7 @@ class MoEConfig(PreTrainedConfig):
     router_weights: str = "softmax"
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False  # (merge, issue 21) shared experts scaled by sigmoid(x W_g), as Qwen2-MoE
     moe_output_bias: bool = False
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
@@ -253,7 +256,7 @@ _FIELD_TYPES = {
     "expert_hidden_act": _STR, "moe_output_dropout": _FLOAT, "router_type": _STR, "capacity_factor": _FLOAT,
     "eval_capacity_factor": _FLOAT, "router_jitter_noise": _FLOAT, "router_z_loss_coef": _FLOAT,
     "num_prototypes": _INT, "router_bias_update_rate": _FLOAT, "router_weights": _STR, "num_shared_experts": _INT,
-    "shared_expert_intermediate_size": _INT, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
+    "shared_expert_intermediate_size": _INT, "shared_expert_gate": _BOOL, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
     "decoder_layers_path": _STR, "moe_block_path": _STR, "hf_moe_format": _INT,
 }
 _NULLABLE = {

@@ -2,6 +2,8 @@
 
     llama, mistral -> mixtral     (MixtralForCausalLM; every layer MoE, renormalised top-k)
     qwen3          -> qwen3_moe   (Qwen3MoeForCausalLM; dense layers through `mlp_only_layers`)
+    llama, qwen2 with one sigmoid-gated shared expert (a merge with `architecture: qwen`)
+                   -> qwen2_moe   (Qwen2MoeForCausalLM; dense layers through `mlp_only_layers`)
     olmo2          -> flex_olmo   (FlexOlmoForCausalLM; every layer MoE)
 
 An export is offered only where the native model computes the same function as the hf_moe model: the same
@@ -93,6 +95,8 @@ class NativeTarget:
     dropped: Mapping[str, str] = field(default_factory=dict)
     passed: tuple[str, ...] = ()
     attention: Callable[[dict], tuple[dict, list[str]]] | None = None
+    shared_expert: bool = False  # one sigmoid-gated shared expert in every MoE layer (Qwen2-MoE)
+    renames: Mapping[str, str] = field(default_factory=dict)  # hf_moe name fragment -> native
 
 
 _MIXTRAL = dict(
@@ -120,11 +124,32 @@ TARGETS: dict[str, NativeTarget] = {
     ),
     "olmo2": NativeTarget(model_type="flex_olmo"),
 }
+# One sigmoid-gated shared expert per MoE layer (hf-moe merge, architecture: qwen): Qwen2-MoE computes exactly that.
+_QWEN2_MOE = dict(
+    model_type="qwen2_moe",
+    dense_layers=True,
+    shared_expert=True,
+    renames={".mlp.shared_experts.": ".mlp.shared_expert."},
+    passed=("head_dim",),
+)
+SHARED_EXPERT_TARGETS: dict[str, NativeTarget] = {
+    "llama": NativeTarget(
+        **_QWEN2_MOE,
+        fixed={"qkv_bias": False},
+        required={"attention_bias": (False, "Qwen2-MoE's output projection has no bias")},
+        dropped={"pretraining_tp": "unused by transformers 5.x's Llama",
+                 "mlp_bias": "every MLP is an expert here, and expert biases are checked as expert_bias"},
+    ),
+    "qwen2": NativeTarget(**_QWEN2_MOE, fixed={"qkv_bias": True}, attention=_uniform_attention_window,
+                          dropped={"max_window_layers": "folded into sliding_window",
+                                   "layer_types": "folded into sliding_window"}),
+}
 # Families with a native MoE relative that is NOT the same function, and why: part of the error message.
 NO_TARGET_WHY = {
-    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer. Only a zero-width one "
-    "(shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty tensors "
-    "that serving stacks are not built for; zero weights would declare a shared expert that is not there",
+    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer, and this model has none. Only a "
+    "zero-width one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty "
+    "tensors that serving stacks are not built for; zero weights would declare a shared expert that is not there. A "
+    "merge with one gated shared expert (hf-moe merge, architecture: qwen) exports",
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",
 }
 # Keys of a config's to_dict() that describe the file, not the model.
@@ -153,12 +178,19 @@ class NativeExport:
 # --------------------------------------------------------------------------------------------------------------
 # Does it fit?
 # --------------------------------------------------------------------------------------------------------------
+def native_target(config: MoEConfig) -> NativeTarget | None:
+    """The native family of `config`: Qwen2-MoE for a sigmoid-gated shared expert, else the base family's twin."""
+    if config.num_shared_experts and getattr(config, "shared_expert_gate", False):
+        return SHARED_EXPERT_TARGETS.get(config.base_model_type)
+    return TARGETS.get(config.base_model_type)
+
+
 def export_problems(config: MoEConfig) -> list[str]:
     """Every reason the model of `config` has no exact native twin, each with what would fix it (empty: it has)."""
-    target = TARGETS.get(config.base_model_type)
+    target = native_target(config)
     problems = [] if target is not None else [_no_target(config.base_model_type)]
     problems += _routing_problems(config, target)
-    problems += _expert_problems(config)
+    problems += _expert_problems(config, target)
     if target is not None:
         problems += _layout_problems(config, target)
         problems += _base_fields(config, target)[1]
@@ -201,7 +233,7 @@ def _routing_problems(config: MoEConfig, target: NativeTarget | None) -> list[st
     return problems
 
 
-def _expert_problems(config: MoEConfig) -> list[str]:
+def _expert_problems(config: MoEConfig, target: NativeTarget | None = None) -> list[str]:
     problems = []
     if not config.expert_glu:
         problems.append(
@@ -215,7 +247,10 @@ def _expert_problems(config: MoEConfig) -> list[str]:
         )
     if config.expert_bias:
         problems.append("expert_bias=True: native MoE experts have no biases. Only a base MLP without biases exports.")
-    if config.num_shared_experts:
+    if target is not None and target.shared_expert:
+        if config.num_shared_experts != 1:
+            problems.append(f"num_shared_experts={config.num_shared_experts}: {target.model_type} has exactly one.")
+    elif config.num_shared_experts:
         problems.append(
             f"num_shared_experts={config.num_shared_experts}: {', '.join(t.model_type for t in TARGETS.values())} "
             "have no always-active shared expert (qwen2_moe's is sigmoid-gated, a different function). Convert "
@@ -302,7 +337,7 @@ def native_config(config: MoEConfig) -> PreTrainedConfig:
             f"This {config.base_model_type} MoE model cannot be exported as a native transformers architecture:\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    target = TARGETS[config.base_model_type]
+    target = native_target(config)
     fields, _ = _base_fields(config, target)
     fields.update(target.fixed)
     fields[target.experts_field] = config.num_experts
@@ -313,6 +348,8 @@ def native_config(config: MoEConfig) -> PreTrainedConfig:
     )
     if target.norm_topk_prob_field:
         fields["norm_topk_prob"] = config.norm_topk_prob
+    if target.shared_expert:
+        fields["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if target.dense_layers:  # dense layers keep the base intermediate_size
         moe_layers = set(config.moe_layers)
         fields.update(
@@ -336,6 +373,8 @@ def _native_model(moe: MoEForCausalLM, config: PreTrainedConfig) -> nn.Module:
     with torch.device("meta"):
         native = AutoModelForCausalLM.from_config(config)
     source = {**dict(moe.named_parameters(remove_duplicate=False)), **dict(moe.named_buffers(remove_duplicate=False))}
+    for old, new in native_target(moe.config).renames.items():
+        source = {name.replace(old, new): tensor for name, tensor in source.items()}
     slots = {}
     for module_name, module in native.named_modules(remove_duplicate=False):
         for store in (module._parameters, module._buffers):

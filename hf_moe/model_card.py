@@ -65,6 +65,11 @@ def render_model_card(model) -> str:
             f"every MoE block's output differs from the dense MLP's by at most {block_diff_text(conv)}; "
             f"streaming conversion, probe: {conv.get('probe', 'random')}"
         )
+    elif "max_abs_expert_diff" in conv:  # a merge (hf_moe/convert/merge.py)
+        exactness = (
+            f"every expert reproduces its source model's MLP within {conv['max_abs_expert_diff']:.2e} (outputs up to "
+            f"{conv.get('max_abs_mlp_output', float('nan')):.2g}) on a random probe, as written to disk"
+        )
     else:
         exactness = "not measured"
     return _template().format(

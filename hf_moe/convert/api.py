@@ -240,7 +240,7 @@ def convert_block(
 
 
 def progress_text(method: str, num_layers: int, num_experts: int) -> str:
-    verb = {"upcycle": "Upcycling", "split": "Splitting"}[method]
+    verb = {"upcycle": "Upcycling", "split": "Splitting", "merge": "Merging"}[method]
     return f"{verb} {num_layers} MLPs into {num_experts} experts"
 
 
@@ -281,11 +281,14 @@ def _check_method_options(method: str, given: dict, opts: dict) -> None:
 def _expert_sizes(method: str, mlp: DenseMLP, num_experts: int, num_shared: int) -> dict[str, Any]:
     """moe_intermediate_size, shared_expert_intermediate_size and moe_output_bias for the method.
 
+    merge: every routed and shared expert is a whole MLP of size I.
     upcycle: the I neurons are cut into S + 1 slices: S shared experts, and routed experts copying the rest.
     split: the I neurons are cut into E + S equal experts; the MLP's output bias, added once per token, goes to
     the shared experts, or to the block (`moe_output_bias`) when there are none.
     """
     size = mlp.intermediate_size
+    if method == "merge":  # every expert is a whole source MLP, and so is a shared expert (convert/merge.py)
+        return {"moe_intermediate_size": size, "shared_expert_intermediate_size": size if num_shared else None}
     if method == "upcycle":
         slice_size = size // (num_shared + 1)
         if num_shared and slice_size < 1:

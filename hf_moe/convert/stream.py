@@ -436,6 +436,19 @@ class _ShardWriter:
         self._written(key, nbytes)
         return filename, start
 
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor already written under `key`, read back from its file (a merge runs its gates on what it wrote)."""
+        if key in self.pending:
+            raise KeyError(f"{key} has not been written yet")
+        filename = self.file_of[key]
+        start, nbytes = self.offsets[filename][key]
+        dtype, shape = self.layout[key]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view, fd, done = memoryview(buffer.numpy()), self._fd(filename), 0
+        while done < nbytes:
+            done += os.preadv(fd, [view[done:]], start + done)
+        return buffer.view(dtype).reshape(shape)
+
     def write_many(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write several tensors; those that are views of the same memory (the identical experts of an upcycled
         block) are written once and then copied file to file by the kernel (`copy_file_range`, as `cp` does),
