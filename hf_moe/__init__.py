@@ -19,12 +19,15 @@ from .version import __version__
 
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
 
-_LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
-_LAZY["merge_to_moe"] = "hf_moe.convert.merge"  # issue 21: merging several dense models (loaded on first use)
+# Loaded on first use, not with `import hf_moe`: the training classes import transformers.Trainer, merging reads YAML.
+_LAZY = {
+    "MoETrainer": "hf_moe.training.trainer",
+    "MoEMonitorCallback": "hf_moe.training.monitor",
+    "merge_to_moe": "hf_moe.convert.merge",
+}
 
 
 def __getattr__(name: str):
-    # The training classes import transformers.Trainer: loaded on first use, not with `import hf_moe`.
     if name in _LAZY:
         import importlib
 
