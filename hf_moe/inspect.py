@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
+from .checkpoint import EXPERT_KEY, INDEX_NAME, load_tokenizer, read_index, read_json, reading, validate_checkpoint
+from .checkpoint.headers import read_header
 from .model_card import block_diff_text
 
 
@@ -35,14 +35,16 @@ class CheckpointSummary:
 def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
     """Validate the directory (nothing outside it is read), then count parameters and describe each file."""
     directory = Path(directory)
-    validate_checkpoint(directory)
-    config = json.loads(checkpoint_file(directory, "config.json", "the checkpoint").read_text())
-    weight_map, _ = read_index(directory)
+    with reading(directory):  # (a save into it meanwhile waits)
+        validate_checkpoint(directory)
+        config = read_json(directory, "config.json", "the checkpoint")
+        weight_map, _ = read_index(directory)
+        headers = {name: read_header(directory, name, INDEX_NAME)[0] for name in sorted(set(weight_map.values()))}
     shards: dict[str, ShardInfo] = {}
     total = expert = 0
-    for filename in sorted(set(weight_map.values())):
+    for filename, header in headers.items():
         info = shards[filename] = ShardInfo(filename)
-        for key, meta in read_safetensors_header(checkpoint_file(directory, filename, "the index")).items():
+        for key, meta in header.items():
             if key == "__metadata__":
                 continue
             numel = math.prod(meta["shape"])
@@ -139,7 +141,6 @@ def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: in
     """Run the saved model (eval mode) over the first `max_tokens` tokens of a text file and summarise, per MoE
     layer, how its router spread them (see `RoutingStats.summary`). Returns (config, summary, tokens read)."""
     import torch
-    from transformers import AutoTokenizer
 
     from .modeling import MoEForCausalLM
     from .routing import RoutingStats
@@ -149,8 +150,8 @@ def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: in
         raise FileNotFoundError(f"--data {data_file}: no such file.")
     model = MoEForCausalLM.from_pretrained(directory).eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except Exception as err:
+        tokenizer = load_tokenizer(directory)
+    except Exception as err:  # noqa: BLE001 - no tokenizer, or one that does not load
         raise FileNotFoundError(f"{directory} has no tokenizer to read {data_file} with ({err}).") from None
     ids = tokenizer(data_file.read_text(errors="replace"))["input_ids"][:max_tokens]
     if not ids:

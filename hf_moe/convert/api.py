@@ -14,6 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..checkpoint import CheckpointError, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
@@ -434,10 +435,14 @@ def _license(model_or_path) -> str | None:
     """The `license:` of the base model's card front matter, when it is a local directory."""
     if isinstance(model_or_path, PreTrainedModel):
         model_or_path = model_or_path.config.name_or_path
-    card = os.path.join(os.fspath(model_or_path or ""), "README.md")
-    if not os.path.isfile(card):
+    directory = os.fspath(model_or_path or "")
+    if not os.path.isfile(os.path.join(directory, "README.md")):
         return None
-    match = re.search(r"^---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.S)
+    try:  # (through the guarded opener: a card linked out of the model directory is not read)
+        text = read_bytes(directory, "README.md", "the base model").decode("utf-8", errors="replace")
+    except (CheckpointError, OSError):
+        return None
+    match = re.search(r"^---\n(.*?)\n---", text, re.S)
     found = re.search(r"^license:\s*(\S+)", match.group(1), re.M) if match else None
     return found.group(1) if found else None
 
