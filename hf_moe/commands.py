@@ -183,12 +183,13 @@ def _plan_config(args):
     from .parallel.sizing import meta_model
 
     path = args.model
-    if os.path.isfile(path):
-        real = os.path.realpath(path)  # a file named on the command line: read with the guarded opener's bounds
-        try:
+    local = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.isfile(local):
+        real = os.path.realpath(local) if local == path else local  # (a file named on the command line, or a model's)
+        try:  # with the guarded opener's checks and bounds
             fields = read_json(os.path.dirname(real), os.path.basename(real), "the command line")
         except CheckpointError as err:
-            raise ValueError(f"{path} is not a JSON config file ({err}).") from None
+            raise ValueError(f"{local} is not a JSON config file ({err}).") from None
         if "model_type" not in fields:
             raise ValueError(f"{path} is not a transformers config.json (it has no model_type).")
         model_type = fields.pop("model_type")

@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from ..checkpoint import CheckpointError, read_bytes
+from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
@@ -318,8 +318,8 @@ def _tokenizer(tokenizer, model_or_path):
     source = tokenizer if tokenizer is not None else model_or_path
     if isinstance(source, PreTrainedModel):
         source = source.config.name_or_path
-    try:
-        return AutoTokenizer.from_pretrained(os.fspath(source))
+    try:  # (a local directory's tokenizer files are read through the guarded opener)
+        return load_tokenizer(source) if os.path.isdir(source) else AutoTokenizer.from_pretrained(os.fspath(source))
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(
             f"partition='coactivation' needs a tokenizer for the calibration text and none loads from "
