@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import io
 import json
 import os
@@ -112,8 +113,8 @@ def open_fd(directory: str | os.PathLike, name, source: str, *, max_bytes: int |
     path = check_regular(directory, name, source, max_bytes)
     try:
         fd = os.open(path, _OPEN_FLAGS)
-    except OSError as err:  # ENXIO: a socket swapped in; ELOOP, EACCES ...
-        if isinstance(err, FileNotFoundError):
+    except OSError as err:  # ENXIO: a socket swapped in; ELOOP: a link loop. (EMFILE, EACCES ... are raised as such)
+        if err.errno not in (errno.ENXIO, errno.ELOOP):
             raise
         raise CheckpointError(f"{path} cannot be opened ({err.strerror}). Restore it, or save the model again.") from None
     try:
