@@ -138,6 +138,33 @@ def test_loads_during_saves_see_one_checkpoint(tmp_path):
                        references[(saves - 1) % 2]["lm_head.weight"])  # the last save is what OUT holds
 
 
+@pytest.mark.slow
+def test_a_save_waits_for_a_load_then_the_load_is_told(tmp_path):
+    """A save waits for a load in progress (here one that does not end: it holds its read open) for
+    HF_MOE_COMMIT_WAIT seconds, then swaps anyway; the load then raises CheckpointBusyError, "being written": it
+    never returns what it read across the swap."""
+    from hf_moe import MoEForCausalLM
+    from hf_moe.checkpoint import CheckpointBusyError, reading
+
+    out = tmp_path / "out"
+    _models()[0].save_pretrained(out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_MOE_COMMIT_WAIT": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with pytest.raises(CheckpointBusyError, match="being written"):
+        with reading(out):
+            saver = subprocess.run([sys.executable, __file__, "save-once", str(out)], capture_output=True,
+                                   text=True, env=env, cwd=ROOT, timeout=300)
+            assert saver.returncode == 0, saver.stderr[-3000:]
+            waited = float(saver.stdout.split()[-1])
+    assert waited >= 2.0 and "still running after 2s" in saver.stderr, (waited, saver.stderr[-2000:])
+    MoEForCausalLM.from_pretrained(out)  # the save is complete
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "save":
         save_loop(Path(sys.argv[2]), float(sys.argv[3]))
+    elif sys.argv[1] == "save-once":  # model B into OUT; prints the seconds the save took
+        model = _models()[1]
+        start = time.monotonic()
+        model.save_pretrained(Path(sys.argv[2]))
+        print(f"saved {time.monotonic() - start:.3f}")

@@ -57,7 +57,8 @@ def _commit_wait_s() -> float:
 
 
 def _turnstile(directory: Path) -> Path:
-    return directory.parent / f".{directory.name}.hf_moe.lock"
+    real = Path(os.path.realpath(directory))  # (where the writer, which resolves OUT, puts it)
+    return real.parent / f".{real.name}.hf_moe.lock"
 
 
 def _open_directory(directory: Path) -> int | None:
