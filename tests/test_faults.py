@@ -9,10 +9,10 @@ The writers: `save_pretrained`, `hf-moe convert` (streaming, the tokenizer inclu
     in the process that runs it. Killing before each step leaves, in turn, every state the writer can leave;
   * failed mid-write: RLIMIT_FSIZE (EFBIG, and the SIGXFSZ kill), EMFILE (RLIMIT_NOFILE), and ENOSPC on a small tmpfs
     mounted in a private mount namespace (where this machine allows one; the count says how many ran).
-`save_pretrained` is also killed before every step of its commit with RENAME_EXCHANGE disabled (two renames,
-recovered on the next load). After each fault OUT must load as exactly the old or the new state (equal logits or
-tensors, the same files, the same tokenizer bytes), and the next write must leave nothing beside OUT. The module
-prints one line:
+`save_pretrained` and the training state are also killed before every step of their commit with RENAME_EXCHANGE
+disabled (two renames, recovered on the next load). After each fault OUT must load as exactly the old or the new
+state (equal logits or tensors, the same files, the same tokenizer bytes), and the next write must leave nothing
+beside OUT. The module prints one line:
 
     N kill points over 4 writers (every step), 0 damaged; M filesystem faults, 0 damaged; 0 leaked
 
@@ -81,8 +81,9 @@ def test_no_fault_damages_out_or_leaks_staging(tmp_path):
         assert {f["state"] for f in kinds[(op, "SIGKILL")]} == {"old", "new"}, op  # the points span the write
         for kind in ("EFBIG", "EMFILE"):
             assert any(f["error"] for f in kinds[(op, kind)]), (op, kind)  # the fault did make the operation fail
-    assert len(kinds[("save", "SIGKILL, two renames")]) == steps["save commit"]
-    assert any(f["absent_before_load"] for f in kinds[("save", "SIGKILL, two renames")])  # the window was hit
+    for op in ("save", "training_state"):
+        assert len(kinds[(op, "SIGKILL, two renames")]) == steps[f"{op} commit"]
+        assert any(f["absent_before_load"] for f in kinds[(op, "SIGKILL, two renames")])  # the window was hit
     for fault in kinds[("convert", "EFBIG")]:  # a file-size limit is a clean CLI error (exit 2), not a traceback
         assert fault["error"] == "RuntimeError: hf-moe convert exited 2", fault
     from hf_moe.checkpoint.commit import _renameat2
@@ -464,10 +465,13 @@ def drive(work: Path) -> None:
                 op.write_old(op.out)
                 continue
             record("SIGKILL", report, point)
-        if op.name == "save":  # every step of the commit, with two renames instead of RENAME_EXCHANGE
-            first = dry["names"].index("commit")
-            steps["save commit"] = steps[op.name] - first
-            for point in range(first + 1, steps[op.name] + 1):
+        if op.name in ("save", "training_state"):  # every step of the commit, with two renames instead of the swap
+            renames = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames, markers=Markers(record=True))
+            assert renames["error"] is None and "os.rename" in renames["names"], renames
+            op.write_old(op.out)
+            first = renames["names"].index("commit")
+            steps[f"{op.name} commit"] = len(renames["names"]) - first
+            for point in range(first + 1, len(renames["names"]) + 1):
                 report = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames,
                                       markers=Markers(kill_at=point))
                 if report["signal"] == "SIGKILL":
