@@ -469,7 +469,8 @@ def drive(work: Path) -> None:
             renames = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames, markers=Markers(record=True))
             assert renames["error"] is None and "os.rename" in renames["names"], renames
             op.write_old(op.out)
-            first = renames["names"].index("commit")
+            names = renames["names"]  # (the commit starts at its call, or at the first rename of a writer's own)
+            first = names.index("commit") if "commit" in names else names.index("os.rename")
             steps[f"{op.name} commit"] = len(renames["names"]) - first
             for point in range(first + 1, len(renames["names"]) + 1):
                 report = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames,
