@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="hash every file of a saved MoE checkpoint and compare with the checksums "
                             "recorded when it was saved; exits 1 naming each damaged file and tensor")
     verify.add_argument("dir", help="a directory saved by hf_moe")
+    verify.add_argument("--update", action="store_true", help="first record the config files as they are now "
+                        "(config.json, generation_config.json, modeling_hf_moe.py changed on purpose), then verify")
     generate = sub.add_parser("generate", help="generate text with a saved MoE model, streaming the tokens; with "
                               "--offload-experts, past memory (experts read on demand into a bounded cache)")
     generate.add_argument("model", help="a directory saved by hf_moe (with its tokenizer)")

@@ -14,7 +14,7 @@ _OPTION_FLAGS = (
 
 
 def _convert(args) -> None:
-    from .checkpoint import same_directory
+    from .checkpoint import same_directory, save_checkpoint
     from .convert.api import convert_to_moe
     from .convert.stream import StreamingUnsupported, convert_checkpoint
     from .model_card import block_diff_text
@@ -26,20 +26,20 @@ def _convert(args) -> None:
         raise ValueError(
             f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT."
         )
+    tokenizer = _tokenizer_writer(args.src)  # into OUT's staging directory: OUT appears with it, atomically
     model = None
     if not args.in_memory and os.path.isdir(args.src):
         try:
             model = convert_checkpoint(
                 args.src, args.out, args.num_experts, args.top_k, method=args.method, layers=args.layers,
-                max_shard_size=args.max_shard_size, **options,
+                max_shard_size=args.max_shard_size, extra=tokenizer, **options,
             )
             print(f"Streamed {args.src} tensor by tensor (the model was never loaded whole).")
         except StreamingUnsupported as why:
             print(f"Converting in memory: streaming is not possible here ({why}).", file=sys.stderr)
     if model is None:
         model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
-        model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
-    _copy_tokenizer(args.src, args.out)
+        save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
     counts = model.parameter_counts()
     conv = model.config.moe_conversion
     print(
@@ -57,16 +57,30 @@ def _convert(args) -> None:
         print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {block_diff_text(conv)}.")
 
 
-def _copy_tokenizer(src: str, out: str) -> None:
-    """Save the base model's tokenizer beside the MoE weights, so OUT is self-contained."""
+def _tokenizer_writer(src: str):
+    """A function that writes the base model's tokenizer into a directory (OUT's staging directory, so that OUT is
+    self-contained and appears with its tokenizer in one step), or None. From a local directory the tokenizer files
+    are copied byte for byte through the guarded opener (a link out of SRC, a FIFO, an oversized file is left out,
+    with a note); from the Hub, transformers' tokenizer is saved."""
+    from .checkpoint import TOKENIZER_FILES, copy_files
+
+    if os.path.isdir(src):
+        def write(staging) -> None:
+            copied, refused = copy_files(src, TOKENIZER_FILES, staging, f"the source {src}")
+            for line in refused:
+                print(f"Note: a tokenizer file was not copied: {line}", file=sys.stderr)
+            if not copied:
+                print(f"Note: no tokenizer copied: {src} has none.", file=sys.stderr)
+
+        return write
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except Exception as err:  # a model without a tokenizer is still a model
         print(f"Note: no tokenizer copied from {src} ({type(err).__name__}).", file=sys.stderr)
-        return
-    tokenizer.save_pretrained(out)
+        return None
+    return tokenizer.save_pretrained
 
 
 def _inspect(args) -> None:
@@ -127,16 +141,17 @@ def _export(args) -> None:
 
 def _generate(args) -> None:
     import torch
-    from transformers import AutoTokenizer
 
+    from .checkpoint import load_tokenizer, reading
     from .modeling import MoEForCausalLM
     from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
 
     offload = args.offload_experts is not None or args.max_expert_memory is not None
     options = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory) if offload else {}
     start = time.perf_counter()
-    model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
+        model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
+        tokenizer = load_tokenizer(args.model)
     load_s = time.perf_counter() - start
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -161,8 +176,12 @@ def _generate(args) -> None:
 
 
 def _verify(args) -> int:
-    from .checkpoint import verify_checkpoint
+    from .checkpoint import record_config_files, verify_checkpoint
 
+    if getattr(args, "update", False):
+        changed = record_config_files(args.dir)
+        print(f"{args.dir}: recorded the checksums of {', '.join(changed) if changed else 'no changed file'}; "
+              "verifying.")
     report = verify_checkpoint(args.dir)
     if report.problems:
         print(f"{args.dir}: {len(report.problems)} problem(s):", file=sys.stderr)
@@ -179,22 +198,23 @@ def _verify(args) -> int:
 
 def _plan_config(args):
     """(MoE config, meta-device MoE model, description) of MODEL_OR_CONFIG; a dense config is upcycled on meta."""
-    import json
-
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .checkpoint import CheckpointError, read_json
     from .configuration import MoEConfig
     from .convert.api import convert_to_moe
     from .parallel.sizing import meta_model
 
     path = args.model
-    if os.path.isfile(path):
-        try:
-            fields = json.loads(open(path).read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path} is not a JSON config file ({err}).") from None
-        if not isinstance(fields, dict) or "model_type" not in fields:
+    local = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.isfile(local):
+        real = os.path.realpath(local) if local == path else local  # (a file named on the command line, or a model's)
+        try:  # with the guarded opener's checks and bounds
+            fields = read_json(os.path.dirname(real), os.path.basename(real), "the command line")
+        except CheckpointError as err:
+            raise ValueError(f"{local} is not a JSON config file ({err}).") from None
+        if "model_type" not in fields:
             raise ValueError(f"{path} is not a transformers config.json (it has no model_type).")
         model_type = fields.pop("model_type")
         config = MoEConfig.from_dict(fields) if model_type == "hf_moe" else AutoConfig.for_model(model_type, **fields)

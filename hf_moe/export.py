@@ -24,9 +24,10 @@ difference goes into the model card.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +37,13 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .checkpoint import (
+    TOKENIZER_FILES,
     checkpoint_config,
+    copy_files,
+    reading,
     resolve_output_directory,
     same_directory,
     staging_directory,
-    stays_inside,
 )
 from .checkpoint.commit import commit
 from .configuration import MoEConfig
@@ -404,12 +407,6 @@ def _native_model(moe: MoEForCausalLM, config: PreTrainedConfig) -> nn.Module:
 # --------------------------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------------------------
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-)
-
-
 def export_native(
     moe_model_or_dir: MoEForCausalLM | str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -437,10 +434,11 @@ def export_native(
     """
     target = resolve_output_directory(out_dir, "Cannot export to")
     moe, source_dir = _source(moe_model_or_dir, target)
-    # Every reason it cannot export, from config.json alone: before any weight is read or anything written.
-    config = native_config(moe.config if moe is not None else checkpoint_config(source_dir))
-    if moe is None:  # (its checksums verified, as on every load: a corrupt input is refused, not exported)
-        moe = MoEForCausalLM.from_pretrained(source_dir, dtype="auto")
+    with reading(source_dir) if moe is None else contextlib.nullcontext():  # config and weights of one checkpoint
+        # Every reason it cannot export, from config.json alone: before any weight is read or anything written.
+        config = native_config(moe.config if moe is not None else checkpoint_config(source_dir))
+        if moe is None:  # (its checksums verified, as on every load: a corrupt input is refused, not exported)
+            moe = MoEForCausalLM.from_pretrained(source_dir, dtype="auto")
 
     with staging_directory(target) as staging:
         native = _native_model(moe, config)
@@ -477,13 +475,13 @@ def _source(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM | None, str 
 
 def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:
     """Copy the tokenizer files of `source_dir` byte for byte (a round trip through a tokenizer class could change
-    them)."""
+    them), through the guarded opener: a link out of the checkpoint, a FIFO or an oversized file is left out, with
+    a warning."""
     if not source_dir or not os.path.isdir(source_dir):
         return
-    for name in TOKENIZER_FILES:
-        path = Path(source_dir) / name
-        if path.is_file() and stays_inside(source_dir, path):  # (a link out of the checkpoint is not followed)
-            shutil.copy2(path, out / name)
+    _, refused = copy_files(source_dir, TOKENIZER_FILES, out, "the checkpoint")
+    for line in refused:
+        warnings.warn(f"A tokenizer file was not exported: {line}", stacklevel=3)
 
 
 @torch.no_grad()

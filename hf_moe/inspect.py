@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
+from .checkpoint import EXPERT_KEY, INDEX_NAME, load_tokenizer, read_index, read_json, reading, validate_checkpoint
+from .checkpoint.headers import read_header
 from .model_card import block_diff_text
 
 
@@ -35,14 +35,16 @@ class CheckpointSummary:
 def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
     """Validate the directory (nothing outside it is read), then count parameters and describe each file."""
     directory = Path(directory)
-    validate_checkpoint(directory)
-    config = json.loads(checkpoint_file(directory, "config.json", "the checkpoint").read_text())
-    weight_map, _ = read_index(directory)
+    with reading(directory):  # (a save into it meanwhile waits)
+        validate_checkpoint(directory)
+        config = read_json(directory, "config.json", "the checkpoint")
+        weight_map, _ = read_index(directory)
+        headers = {name: read_header(directory, name, INDEX_NAME)[0] for name in sorted(set(weight_map.values()))}
     shards: dict[str, ShardInfo] = {}
     total = expert = 0
-    for filename in sorted(set(weight_map.values())):
+    for filename, header in headers.items():
         info = shards[filename] = ShardInfo(filename)
-        for key, meta in read_safetensors_header(checkpoint_file(directory, filename, "the index")).items():
+        for key, meta in header.items():
             if key == "__metadata__":
                 continue
             numel = math.prod(meta["shape"])
@@ -149,7 +151,6 @@ def _read_ids(tokenizer, data_file: Path, max_tokens: int) -> list[int]:
 def _route_files(directory, data_files, max_tokens: int, block_size: int):
     """(config, {file: (RoutingStats, first-choice counts [layers, E], tokens)}) of the saved model over each file."""
     import torch
-    from transformers import AutoTokenizer
 
     from .modeling import MoEForCausalLM
     from .routing import RoutingStats
@@ -161,8 +162,8 @@ def _route_files(directory, data_files, max_tokens: int, block_size: int):
             raise FileNotFoundError(f"--data {f}: no such file.")
     model = MoEForCausalLM.from_pretrained(directory).eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except Exception as err:
+        tokenizer = load_tokenizer(directory)
+    except Exception as err:  # noqa: BLE001 - no tokenizer, or one that does not load
         raise FileNotFoundError(f"{directory} has no tokenizer to read {files[0]} with ({err}).") from None
     layers, experts = len(model.config.moe_layers), model.config.num_experts
     zero = torch.zeros(())

@@ -33,6 +33,7 @@ from transformers.modeling_outputs import (
 
 from . import parallel
 from .backbone import install_moe_blocks, wrap_forward
+from .checkpoint import reading as checkpoint_reading  # (hf_moe/checkpoint/snapshot.py)
 from .checkpoint import (
     local_expert_view, missing_keys_error, recover_interrupted_commit, save_checkpoint, validate_checkpoint,
 )
@@ -185,22 +186,23 @@ class MoEPreTrainedModel(PreTrainedModel):
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
         verify_checksums = kwargs.pop("verify_checksums", None)
-        if not kwargs.pop("_validated", False) and (os.path.isdir(local_dir) or recover_interrupted_commit(path)):
-            # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
-            validate_checkpoint(
-                local_dir, verify_checksums=False if expert_parallel else verify_checksums, model_class=cls
+        with checkpoint_reading(local_dir):  # checks and load see one checkpoint: a save into it waits
+            if not kwargs.pop("_validated", False) and (os.path.isdir(local_dir) or recover_interrupted_commit(path)):
+                # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
+                validate_checkpoint(
+                    local_dir, verify_checksums=False if expert_parallel else verify_checksums, model_class=cls
+                )
+            if expert_parallel:
+                return cls._from_pretrained_expert_parallel(
+                    local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
+                )
+            if isinstance(kwargs.get("config"), MoEConfig):
+                kwargs["config"] = _with_config_kwargs(kwargs["config"], kwargs)
+            cls = cls._specialised_for(path, kwargs)
+            output_loading_info = kwargs.pop("output_loading_info", False)
+            model, info = super(MoEPreTrainedModel, cls).from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
-        if expert_parallel:
-            return cls._from_pretrained_expert_parallel(
-                local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
-            )
-        if isinstance(kwargs.get("config"), MoEConfig):
-            kwargs["config"] = _with_config_kwargs(kwargs["config"], kwargs)
-        cls = cls._specialised_for(path, kwargs)
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        model, info = super(MoEPreTrainedModel, cls).from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
         missing = model._missing_saved_keys(info["missing_keys"])
         if missing:
             raise missing_keys_error(path, missing)

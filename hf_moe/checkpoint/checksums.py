@@ -1,9 +1,11 @@
 """Checksums of every saved file, recorded in the index and checked at load.
 
 `index["metadata"]["checksums"]`: {"algorithm": "xxh3_128", "files": {file: {"size": bytes, "header": hash of the
-8-byte length and the JSON header, "tensors": {key: hash of its bytes}}}}. Every load checks the sizes and the
-header hashes (a few KB per file); `verify_checksums=True` (or `hf-moe verify DIR`) hashes the data too and names
-each file and tensor whose bytes changed. The cost is measured in benchmarks/checksums.py.
+8-byte length and the JSON header, "tensors": {key: hash of its bytes}}}, "config_files": {name: {"size": bytes,
+"hash": hash of the file}}}. `config_files` covers config.json, generation_config.json and the `auto_map` shim
+(`format.CONFIG_FILES`): they decide what the weights compute. Every load checks the sizes and the header hashes (a
+few KB per file) and the config files; `verify_checksums=True` (or `hf-moe verify DIR`) hashes the data too and
+names each file and tensor whose bytes changed. The cost is measured in benchmarks/checksums.py.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..configuration import _brief, _cut
-from .format import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, INDEX_NAME, VERIFY_CHECKSUMS_BY_DEFAULT, CheckpointError
-from .guard import checkpoint_file
-from .headers import read_header
+from .format import (
+    CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, CONFIG_FILES, INDEX_NAME, MAX_CONFIG_BYTES, VERIFY_CHECKSUMS_BY_DEFAULT,
+    CheckpointError,
+)
+from .guard import checkpoint_file, open_file, read_bytes
+from .headers import header_of
 
 _HASH_CHUNK = 1 << 20  # read and hashed while still in the CPU cache: 2x faster than 16 MB reads here
 _MAX_PROBLEMS_SHOWN = 12
@@ -47,20 +52,27 @@ def recorded_checksums(metadata: dict, source: str = INDEX_NAME) -> dict | None:
             and all(isinstance(v, str) and hex_digest.fullmatch(v) for v in record["tensors"].values())
         ):
             raise bad(f"for {_brief(name)} are not {{size, header, tensors}} with hexadecimal digests")
+    config_files = checksums.get("config_files", {})
+    if not isinstance(config_files, dict) or not all(
+        name in CONFIG_FILES and isinstance(record, dict) and isinstance(record.get("size"), int)
+        and isinstance(record.get("hash"), str) and hex_digest.fullmatch(record["hash"])
+        for name, record in config_files.items()
+    ):
+        raise bad(f"of the config files are not {{name: {{size, hash}}}} for names among {list(CONFIG_FILES)}")
     return checksums
 
 
 def file_checksums(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM, progress=None) -> tuple[dict, dict]:
-    """(header, {"size", "header", "tensors": {key: digest}}) of a safetensors file: the hash of its header bytes,
-    and of each tensor's bytes. `progress(n)` is called with the bytes hashed."""
+    """(header, {"size", "header", "tensors": {key: digest}}) of a safetensors file (opened through the guarded
+    opener, as a file of its directory): the hash of its header bytes, and of each tensor's bytes. `progress(n)` is
+    called with the bytes hashed."""
     path = Path(path)
     new = CHECKSUM_ALGORITHMS[algorithm]
-    header, raw = read_header(path)
-    spans = sorted((m["data_offsets"][0], m["data_offsets"][1], k) for k, m in header.items() if k != "__metadata__")
-    record = {"size": len(raw) + (spans[-1][1] if spans else 0), "header": new(raw).hexdigest(), "tensors": {}}
-    buffer = memoryview(bytearray(min(_HASH_CHUNK, max((e - b for b, e, _ in spans), default=1) or 1)))
-    with open(path, "rb", buffering=0) as f:
-        f.seek(len(raw))
+    with open_file(path.parent, path.name, INDEX_NAME) as f:
+        header, raw = header_of(f, path.name)
+        spans = sorted((m["data_offsets"][0], m["data_offsets"][1], k) for k, m in header.items() if k != "__metadata__")
+        record = {"size": len(raw) + (spans[-1][1] if spans else 0), "header": new(raw).hexdigest(), "tensors": {}}
+        buffer = memoryview(bytearray(min(_HASH_CHUNK, max((e - b for b, e, _ in spans), default=1) or 1)))
         for begin, end, key in spans:  # contiguous: `_check_header` saw to it
             digest, remaining = new(), end - begin
             while remaining:
@@ -100,11 +112,11 @@ def checksum_problems(directory: str | os.PathLike, checksums: dict, names=None)
             continue
         if name not in records:
             problems.append(f"{name}: no checksum was recorded for it (it was added or renamed after the save)")
-        elif not path.is_file():
+        elif not os.path.lexists(path):
             problems.append(f"{name}: missing")
         else:
             present.append(name)
-    total = sum((directory / n).stat().st_size for n in present)
+    total = sum(os.stat(directory / n).st_size for n in present)
     with tqdm(total=total, unit="B", unit_scale=True, desc="Verifying checksums", leave=False) as bar:
         for name in present:
             record = records[name]
@@ -126,6 +138,48 @@ def checksum_problems(directory: str | os.PathLike, checksums: dict, names=None)
             for key in sorted(set(actual["tensors"]) - set(record["tensors"])):
                 problems.append(f"{name}: tensor {_brief(key)} was not in the file when it was saved")
     return problems
+
+
+def config_checksums(directory: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM) -> dict[str, dict]:
+    """{name: {"size", "hash"}} of the config files (`format.CONFIG_FILES`) that `directory` holds."""
+    directory, new = Path(directory), CHECKSUM_ALGORITHMS[algorithm]
+    records = {}
+    for name in CONFIG_FILES:
+        if os.path.lexists(directory / name):
+            data = read_bytes(directory, name, "the checkpoint", MAX_CONFIG_BYTES)
+            records[name] = {"size": len(data), "hash": new(data).hexdigest()}
+    return records
+
+
+def config_problems(directory: str | os.PathLike, checksums: dict | None) -> list[str]:
+    """One line for each config file (`format.CONFIG_FILES`) that differs from the one saved, was added or is
+    gone; none when the checkpoint records no checksums of its config files (saved by an older hf_moe)."""
+    if checksums is None or "config_files" not in checksums:
+        return []
+    recorded = checksums["config_files"]
+    try:
+        actual = config_checksums(directory, checksums["algorithm"])
+    except (CheckpointError, OSError) as err:
+        return [_cut(str(err), 400)]
+    problems = []
+    for name in CONFIG_FILES:
+        if name in recorded and name not in actual:
+            problems.append(f"{name}: missing (it was saved with the model)")
+        elif name in actual and name not in recorded:
+            problems.append(f"{name}: added after the save (no checksum was recorded for it)")
+        elif name in actual and actual[name] != recorded[name]:
+            problems.append(f"{name}: changed since the save (its checksum differs from the recorded one)")
+    return problems
+
+
+def config_changed_error(directory, problems: list[str]) -> CheckpointError:
+    listed = "\n".join(f"  - {p}" for p in problems)
+    return CheckpointError(
+        f"{directory} is not the checkpoint that was saved: its config files changed:\n{listed}\nThese files decide "
+        "what the weights compute, so a change is a changed checkpoint. Restore them from a good copy. If you changed "
+        f"them on purpose, record the change with `hf-moe verify --update {directory}` (or pass the new values to "
+        "from_pretrained as keyword arguments, e.g. num_experts_per_tok=1, and save the model again)."
+    )
 
 
 def problems_error(directory, problems: list[str], what: str) -> CheckpointError:

@@ -21,7 +21,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..model_card import is_generated_card
-from .format import is_weight_file
+from .format import CONFIG_FILES, MAX_FILE_BYTES, CheckpointError, is_weight_file
+from .guard import read_bytes
+from .snapshot import exclusive
 
 try:
     import fcntl
@@ -245,8 +247,8 @@ def recover_interrupted_commit(target: str | os.PathLike) -> bool:
     return False
 
 
-def commit(staging: Path, target: Path) -> None:
-    """Move the finished staging directory to `target`, keeping the target's unrelated files.
+def commit(staging: Path, target: Path, carry: bool = True) -> None:
+    """Move the finished staging directory to `target`, keeping the target's unrelated files (with `carry`).
 
     One atomic step where the platform allows it (`renameat2(RENAME_EXCHANGE)` swaps the two directories; the old
     model is then removed from the staging path). Elsewhere: target -> backup, staging -> target, and the next
@@ -254,17 +256,19 @@ def commit(staging: Path, target: Path) -> None:
     """
     held = _HELD.get(staging)
     if os.path.lexists(target):
-        _carry_unrelated(target, staging)
-        if _exchange(staging, target):
-            previous = staging  # the previous model, now at the staging path
-        else:
-            previous = _sibling(target, "old", held[2] if held else uuid.uuid4().hex[:12])
-            os.rename(target, previous)
-            try:
-                os.rename(staging, target)
-            except BaseException:
-                os.rename(previous, target)
-                raise
+        if carry:
+            _carry_unrelated(target, staging)
+        with exclusive(target):  # waits for loads of the target in progress (snapshot.py)
+            if _exchange(staging, target):
+                previous = staging  # the previous model, now at the staging path
+            else:
+                previous = _sibling(target, "old", held[2] if held else uuid.uuid4().hex[:12])
+                os.rename(target, previous)
+                try:
+                    os.rename(staging, target)
+                except BaseException:
+                    os.rename(previous, target)
+                    raise
         _release(staging)  # first: should the removal fail (or be killed), the previous model is stale, not live
         _remove_tree(previous)
     else:
@@ -278,12 +282,20 @@ def _carry_unrelated(target: Path, staging: Path) -> None:
     produced = {p.name for p in staging.iterdir()}
     for item in target.iterdir():
         if item.name == "README.md" and (
-            not item.is_file() or item.is_symlink() or not is_generated_card(item.read_text(errors="replace"))
+            not item.is_file() or item.is_symlink() or not _is_generated_card(target, item.name)
         ):
             (staging / "README.md").unlink(missing_ok=True)  # the user's own README wins over our card
-        elif item.name in produced or is_weight_file(item.name):
-            continue
+        elif item.name in produced or is_weight_file(item.name) or item.name in CONFIG_FILES:
+            continue  # (a config file the save did not write is the old model's: not carried)
         _link_or_copy(item, staging / item.name)
+
+
+def _is_generated_card(directory: Path, name: str) -> bool:
+    try:
+        return is_generated_card(read_bytes(directory, name, "the output directory", MAX_FILE_BYTES).decode(
+            "utf-8", errors="replace"))
+    except (CheckpointError, OSError):
+        return False  # not ours to replace
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -41,7 +41,15 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "C64": torch.complex64,
 }
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
-MAX_JSON_BYTES = 256 << 20  # config.json and the index
+# Limits of the guarded opener (guard.py). A file past them is refused before it is parsed: no file hf_moe writes comes
+# near them (an index is ~200 bytes per tensor: 64 MB is 300k tensors, 4x Kimi-K2's expert tensors with biases).
+MAX_INDEX_BYTES = 64 << 20  # model.safetensors.index.json
+MAX_CONFIG_BYTES = 16 << 20  # config.json, generation_config.json, training_state.json and the like
+MAX_FILE_BYTES = 1 << 30  # other small files read whole: tokenizer files, the model card, the auto_map shim
+# JSON is parsed only if it holds at most this many values (counted as `,` `[` `{` bytes: an upper bound) and nests at
+# most this deep: each value costs Python at most ~72 bytes, so no file may take more than ~150 MB to parse.
+MAX_JSON_VALUES = 2_000_000
+MAX_JSON_DEPTH = 32
 CHECKSUM_ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "blake2b": hashlib.blake2b, "sha256": hashlib.sha256}
 CHECKSUM_ALGORITHM = "xxh3_128"  # 0.08 s/GB on one core, 8x faster than sha256 (benchmarks/checksums.py)
 # Whether `from_pretrained` hashes the data of a checkpoint that records checksums, unless told otherwise (the
@@ -72,8 +80,23 @@ __all__ = ["MoEConfig", "MoEForCausalLM", "MoEForSequenceClassification", "MoEFo
 '''
 
 
+# A model's tokenizer files (copied byte for byte by `hf-moe convert` and export; read by `hf-moe generate`).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+
+# The files besides the weights that decide what a checkpoint computes (the shim decides which code loads it): their
+# checksums are recorded at save time too (checksums.py), and a change is a changed checkpoint.
+CONFIG_FILES = ("config.json", "generation_config.json", f"{AUTO_MAP_MODULE}.py")
+
+
 class CheckpointError(ValueError):
     """A saved MoE checkpoint is incomplete, corrupt, or from an unsupported version."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """A checkpoint was replaced by a save while it was being read: nothing is wrong with it; read it again."""
 
 
 def fused_key(key: str) -> str:

@@ -6,32 +6,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
+from ..configuration import _cut
 from .checks import (
-    check_block_paths, check_expert_keys, check_files, check_routers, check_tensors, expected_tensors, read_moe_config,
-    read_config, read_index,
+    check_block_paths, check_expert_keys, check_files, check_generation_config, check_routers, check_tensors,
+    expected_tensors, read_config, read_index, read_moe_config,
 )
-from .checksums import recorded_checksums, verify_data
+from .checksums import config_changed_error, config_problems, recorded_checksums, verify_data
 from .commit import recover_interrupted_commit
-from .format import EXPERT_KEY, INDEX_NAME, CheckpointError
-from .guard import checkpoint_file, stays_inside
-from .headers import read_safetensors_header
+from .format import CONFIG_FILES, EXPERT_KEY, INDEX_NAME, TOKENIZER_FILES, CheckpointError
+from .guard import checkpoint_file, copy_files, load_safetensors
+from .headers import read_header
 from .layout import checkpoint_state_dict
 from .save import is_sharded
+from .snapshot import reading
 
 
 def validate_checkpoint(
     directory: str | os.PathLike, *, verify_checksums: bool | None = False, model_class=None
 ) -> None:
-    """Check a saved MoE directory before loading it: config, format version, index, every file's name, size,
-    header and header checksum, every key, every tensor's dtype and shape against the config, and that the routers
-    hold finite numbers. Restores a model that a killed save left hidden.
+    """Check a saved MoE directory before loading it: config (format version, every value), index, every file's
+    name, size, header and header checksum, every key, every tensor's dtype and shape against the config, the config
+    files against their checksums, and that the routers hold finite numbers. Every file is read through the guarded
+    opener (guard.py). Restores a model that a killed save left hidden.
 
     verify_checksums: also hash every file's data and compare with the checksums recorded at save time. None: do
         so when the checkpoint records checksums and `VERIFY_CHECKSUMS_BY_DEFAULT`; True: required (an error if
@@ -43,11 +44,11 @@ def validate_checkpoint(
     directory = Path(directory)
     recover_interrupted_commit(directory)
     config = read_config(directory)
-    if (directory / INDEX_NAME).exists() or os.path.islink(directory / INDEX_NAME):
+    if os.path.lexists(directory / INDEX_NAME):
         weight_map, metadata = read_index(directory)
         checksums = recorded_checksums(metadata)
-    elif (directory / "model.safetensors").is_file():
-        header = read_safetensors_header(checkpoint_file(directory, "model.safetensors", "the checkpoint"))
+    elif os.path.lexists(directory / "model.safetensors"):
+        header = read_header(directory, "model.safetensors", "the checkpoint")[0]
         weight_map, checksums = dict.fromkeys((k for k in header if k != "__metadata__"), "model.safetensors"), None
     else:
         raise FileNotFoundError(f"{directory} has a config but no weights ({INDEX_NAME} or model.safetensors).")
@@ -57,13 +58,17 @@ def validate_checkpoint(
     check_expert_keys(directory, moe_config, weight_map)
     try:
         expected = expected_tensors(moe_config, model_class)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001 - ZeroDivisionError, AssertionError, ImportError ...: name the file
         raise CheckpointError(
-            f"{directory}/config.json describes no model that can be built ({type(err).__name__}: "
+            f"{directory}/config.json describes no model that can be built here ({type(err).__name__}: "
             f"{_cut(str(err), 400)}). Restore it from a good copy."
         ) from None
-    check_tensors(weight_map, headers, expected, moe_config)
+    check_tensors(directory, weight_map, headers, expected, moe_config)
     check_block_paths(directory, moe_config)
+    check_generation_config(directory)
+    problems = config_problems(directory, checksums)
+    if problems:
+        raise config_changed_error(directory, problems)
     verify_data(directory, checksums, sorted(set(weight_map.values())), verify_checksums)
     check_routers(directory, weight_map, expected, moe_config)  # (after: damage is named as damage, not as NaN)
 
@@ -71,9 +76,9 @@ def validate_checkpoint(
 @contextlib.contextmanager
 def local_expert_view(directory: str | os.PathLike, start: int, end: int, verify_checksums: bool | None = False):
     """A temporary directory that looks like `directory` but lists only the non-expert tensors and experts
-    [start, end): config and small files are copied, weight files linked, and the index filtered. Loading from it
-    reads nothing of the other experts. `verify_checksums` (see `validate_checkpoint`) hashes only the files
-    linked, so each rank of an expert-parallel load verifies what it reads."""
+    [start, end): the config files are copied (through the guarded opener), weight files linked, and the index
+    filtered. Loading from it reads nothing of the other experts. `verify_checksums` (see `validate_checkpoint`)
+    hashes only the files linked, so each rank of an expert-parallel load verifies what it reads."""
     directory = Path(directory).absolute()
     weight_map, metadata = read_index(directory)
     keep = {}
@@ -84,14 +89,11 @@ def local_expert_view(directory: str | os.PathLike, start: int, end: int, verify
     verify_data(directory, recorded_checksums(metadata), sorted(set(keep.values())), verify_checksums)
     with tempfile.TemporaryDirectory(prefix="hf_moe-view-") as tmp:
         view = Path(tmp)
-        for item in directory.iterdir():
-            if item.name == INDEX_NAME or item.is_dir() or not stays_inside(directory, item):
-                continue
-            if item.name.endswith(".safetensors"):
-                if item.name in set(keep.values()):
-                    os.symlink(item, view / item.name)
-            else:
-                shutil.copy2(item, view / item.name)
+        _, refused = copy_files(directory, CONFIG_FILES, view, "the checkpoint")
+        if refused:
+            raise CheckpointError(refused[0])
+        for name in sorted(set(keep.values())):  # (checked by validate_checkpoint; transformers opens them)
+            os.symlink(checkpoint_file(directory, name, INDEX_NAME), view / name)
         (view / INDEX_NAME).write_text(json.dumps({"metadata": metadata, "weight_map": keep}))
         yield str(view)
 
@@ -122,16 +124,36 @@ def load_checkpoint(model, directory: str | os.PathLike, strict: bool = True):
             "expert_parallel=True) (each process reads its own experts) and call hf_moe.parallelize; to resume "
             "training, use hf_moe.MoETrainer, whose checkpoints hold a resharding DCP training state."
         )
-    validate_checkpoint(directory, verify_checksums=None)
-    weight_map, _ = read_index(directory)
-    expected = set(checkpoint_state_dict(model))
-    missing = sorted(expected - set(weight_map))
-    unexpected = sorted(set(weight_map) - expected)
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{directory} does not match {type(model).__name__}: {len(missing)} missing tensor(s) "
-            f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}."
-        )
-    for filename in sorted(set(weight_map.values())):
-        model.load_state_dict(load_file(directory / filename), strict=False)
+    with reading(directory):  # a save into it waits (snapshot.py)
+        validate_checkpoint(directory, verify_checksums=None)
+        weight_map, _ = read_index(directory)
+        expected = set(checkpoint_state_dict(model))
+        missing = sorted(expected - set(weight_map))
+        unexpected = sorted(set(weight_map) - expected)
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{directory} does not match {type(model).__name__}: {len(missing)} missing tensor(s) "
+                f"{missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}."
+            )
+        for filename in sorted(set(weight_map.values())):
+            model.load_state_dict(load_safetensors(directory, filename, INDEX_NAME), strict=False)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_tokenizer(directory: str | os.PathLike):
+    """The tokenizer saved in `directory`, read through the guarded opener: its files (and config.json, which
+    transformers consults for the tokenizer class) are copied to a temporary directory that transformers loads from,
+    so a link out of the checkpoint, a FIFO or an oversized file is refused, not read."""
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory(prefix="hf_moe-tokenizer-") as tmp:
+        copied, refused = copy_files(directory, ("config.json", *TOKENIZER_FILES), tmp, "the checkpoint")
+        if refused:
+            raise CheckpointError(refused[0])
+        if not set(copied) & set(TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...). Save one beside the "
+                "model: tokenizer.save_pretrained(DIR) (`hf-moe convert` copies the base model's)."
+            )
+        return AutoTokenizer.from_pretrained(tmp)

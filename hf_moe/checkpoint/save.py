@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from ..compat import convert_file_size_to_int
 from ..model_card import render_model_card
-from .checksums import checksum_files
+from .checksums import checksum_files, config_checksums
 from .commit import commit, discard, new_staging, resolve_output_directory, staging_directory
 from .format import (
     AUTO_MAP, AUTO_MAP_MODULE, AUTO_MAP_SHIM, CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX,
@@ -32,6 +32,7 @@ def save_checkpoint(
     is_main_process: bool = True,
     state_dict: dict[str, torch.Tensor] | None = None,
     max_shard_size: int | str = "5GB",
+    extra=None,
 ) -> None:
     """Write `model` to `save_directory` in the per-expert layout, with a checksum of every file in the index.
 
@@ -47,6 +48,9 @@ def save_checkpoint(
     gathered one tensor at a time; rank 0 writes the index. No process gathers the model. The files are the same as a
     single process would write. Otherwise only `is_main_process` writes (a full `state_dict`, as Accelerate's
     FULL_STATE_DICT gathers it on rank 0, is written as it is).
+
+    `extra(staging)`, if given, writes more files into the checkpoint before the commit (a tokenizer): they appear
+    with the model, atomically.
     """
     sharded = is_sharded(model, state_dict)
     if not sharded and not is_main_process:
@@ -54,11 +58,11 @@ def save_checkpoint(
     target = resolve_output_directory(save_directory, "Cannot save the model to")
     max_bytes = convert_file_size_to_int(max_shard_size)
     if sharded:
-        _save_expert_parallel(model, target, state_dict, max_bytes)
+        _save_expert_parallel(model, target, state_dict, max_bytes, extra)
         return
     shards = plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
     with staging_directory(target) as staging:
-        finish(model, staging, target, [_write_shards(shards, staging)])
+        finish(model, staging, target, [_write_shards(shards, staging)], extra)
 
 
 def is_sharded(model, state_dict) -> bool:
@@ -75,9 +79,18 @@ def _write_shards(shards: dict[str, dict[str, torch.Tensor]], staging: Path) -> 
     return weight_map
 
 
-def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]]) -> None:
-    """Index (with every file's checksums), config, generation config and model card into `staging`, then move it
-    to `target`."""
+def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None) -> None:
+    """Config, generation config, `auto_map` shim, index (with the checksums of every weight file and of those
+    three), model card, and `extra(staging)`'s files (a tokenizer: see `convert_checkpoint`) into `staging`, then
+    move it to `target`."""
+    config = model.config
+    config.architectures = [_architecture(model)]
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.auto_map = dict(AUTO_MAP)
+    config.save_pretrained(staging)
+    (staging / f"{AUTO_MAP_MODULE}.py").write_text(AUTO_MAP_SHIM)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(staging)
     weight_map = {k: v for part in weight_maps for k, v in part.items()}
     total_size = total_parameters = 0
     checksums = {}
@@ -93,20 +106,16 @@ def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]]
             "total_parameters": total_parameters,
             "format": "hf_moe",
             "hf_moe_format": CHECKPOINT_FORMAT_VERSION,
-            "checksums": {"algorithm": CHECKSUM_ALGORITHM, "files": checksums},
+            "checksums": {
+                "algorithm": CHECKSUM_ALGORITHM, "files": checksums, "config_files": config_checksums(staging),
+            },
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
     (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    config = model.config
-    config.architectures = [_architecture(model)]
-    config.dtype = str(model.dtype).removeprefix("torch.")
-    config.auto_map = dict(AUTO_MAP)
-    config.save_pretrained(staging)
-    (staging / f"{AUTO_MAP_MODULE}.py").write_text(AUTO_MAP_SHIM)
-    if model.can_generate() and model.generation_config is not None:
-        model.generation_config.save_pretrained(staging)
     (staging / "README.md").write_text(render_model_card(model))
+    if extra is not None:
+        extra(staging)
     commit(staging, target)
 
 
@@ -115,7 +124,7 @@ def _architecture(model) -> str:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int) -> None:
+def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int, extra=None) -> None:
     """The collective save of a sharded model (see `save_checkpoint`): one staging directory chosen by rank 0,
     every process's files in it, rank 0 commits only if every process succeeded. Every process returns (or
     raises) after the directory is in place (or discarded)."""
@@ -154,7 +163,7 @@ def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int) -> No
             if not all(ok for ok, _ in results):
                 failed = [r for r, (ok, _) in enumerate(results) if not ok]
                 raise RuntimeError(f"Saving {target} failed on rank(s) {failed}.")
-            finish(model, staging, target, [part for _, part in results])
+            finish(model, staging, target, [part for _, part in results], extra)
             status[0] = "ok"
         except BaseException as err:
             discard(staging)

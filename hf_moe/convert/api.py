@@ -14,6 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
@@ -320,8 +321,8 @@ def _tokenizer(tokenizer, model_or_path):
     source = tokenizer if tokenizer is not None else model_or_path
     if isinstance(source, PreTrainedModel):
         source = source.config.name_or_path
-    try:
-        return AutoTokenizer.from_pretrained(os.fspath(source))
+    try:  # (a local directory's tokenizer files are read through the guarded opener)
+        return load_tokenizer(source) if os.path.isdir(source) else AutoTokenizer.from_pretrained(os.fspath(source))
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(
             f"partition='coactivation' needs a tokenizer for the calibration text and none loads from "
@@ -437,10 +438,14 @@ def _license(model_or_path) -> str | None:
     """The `license:` of the base model's card front matter, when it is a local directory."""
     if isinstance(model_or_path, PreTrainedModel):
         model_or_path = model_or_path.config.name_or_path
-    card = os.path.join(os.fspath(model_or_path or ""), "README.md")
-    if not os.path.isfile(card):
+    directory = os.fspath(model_or_path or "")
+    if not os.path.isfile(os.path.join(directory, "README.md")):
         return None
-    match = re.search(r"^---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.S)
+    try:  # (through the guarded opener: a card linked out of the model directory is not read)
+        text = read_bytes(directory, "README.md", "the base model").decode("utf-8", errors="replace")
+    except (CheckpointError, OSError):
+        return None
+    match = re.search(r"^---\n(.*?)\n---", text, re.S)
     found = re.search(r"^license:\s*(\S+)", match.group(1), re.M) if match else None
     return found.group(1) if found else None
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..checkpoint import local_expert_view, validate_checkpoint
+from ..checkpoint import checkpoint_config, local_expert_view, reading, validate_checkpoint
 from ..configuration import MoEConfig
 from ..routing import moe_blocks
 from .budget import expert_slots, format_size, parse_memory_size
@@ -46,6 +46,9 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
         offload_policy: the cache's eviction policy: "next_use" (default), "lfu", "lfu_decay" or "lru" (policy.py).
         offload_prefetch: fetch the next layer's predicted experts while a layer computes. Default: on for a GPU
             cache, off for a CPU cache (measured: see `ExpertCache`).
+        verify_checksums: as in `from_pretrained`: the non-expert files are hashed at load, and each expert tensor at
+            its first read (`DiskExperts`; "cpu" reads them all at load); a file changed in place after the load is
+            an error at its next read.
     Returns:
         The model, in eval mode; its cache is `hf_moe.offload.expert_cache(model)`.
     """
@@ -53,6 +56,7 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
     budget_arg = kwargs.pop("max_expert_memory", None)
     policy = kwargs.pop("offload_policy", DEFAULT_POLICY)
     prefetch = kwargs.pop("offload_prefetch", None)
+    verify_checksums = kwargs.pop("verify_checksums", None)
     if mode not in MODES:
         raise ValueError(
             f"offload_experts must be 'disk' (experts read from their files; CPU machines) or 'cpu' (experts in host "
@@ -87,26 +91,29 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
             f"offload_experts reads the per-expert files of a local directory, and {directory!r} is not one. "
             "Download the model first (`hf download REPO --local-dir DIR`)."
         )
-    validate_checkpoint(directory)
-    config = kwargs.pop("config", None)
-    if not isinstance(config, MoEConfig):
-        config = MoEConfig.from_pretrained(directory)
-    layout = ExpertLayout.from_config(config)
-    disk = DiskExperts(directory, layout)  # checks every expert tensor's header entry
-    # Fail on a bad budget before loading anything (the dtype is the checkpoint's unless `dtype` says otherwise).
-    dtype = kwargs.get("dtype")
-    check_dtype = dtype if isinstance(dtype, torch.dtype) else disk.dtype()
-    expert_slots(budget, layout.expert_bytes(check_dtype), layout.top_k, layout.num_layers * layout.num_experts)
+    with reading(directory):  # what is validated, opened and loaded is one checkpoint: a save into it waits
+        validate_checkpoint(directory)
+        config = kwargs.pop("config", None)
+        if not isinstance(config, MoEConfig):
+            config = checkpoint_config(directory)
+        layout = ExpertLayout.from_config(config)
+        disk = DiskExperts(directory, layout, verify_checksums)  # opens every expert file; checks every header entry
+        # Fail on a bad budget before loading anything (the dtype is the checkpoint's unless `dtype` says otherwise).
+        dtype = kwargs.get("dtype")
+        check_dtype = dtype if isinstance(dtype, torch.dtype) else disk.dtype()
+        expert_slots(budget, layout.expert_bytes(check_dtype), layout.top_k, layout.num_layers * layout.num_experts)
 
-    model_class = model_class._specialised_for(directory, {"config": config})
-    with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
-        model = _without_experts(model_class).from_pretrained(view, *model_args, config=config, _validated=True, **kwargs)
-    model.__class__ = model_class
-    model.config.name_or_path = path
+        model_class = model_class._specialised_for(directory, {"config": config})
+        with local_expert_view(directory, 0, 0, verify_checksums) as view:  # the non-expert files only, hashed
+            skeleton = _without_experts(model_class)
+            model = skeleton.from_pretrained(view, *model_args, config=config, _validated=True, **kwargs)
+        model.__class__ = model_class
+        model.config.name_or_path = path
+        blocks = moe_blocks(model)
+        first = blocks[0].gate.weight
+        # (the files stay open: a save that replaces the directory later does not change what the store reads)
+        store = disk if mode == "disk" else HostExperts(disk, first.dtype, pin=first.device.type == "cuda")
 
-    blocks = moe_blocks(model)
-    first = blocks[0].gate.weight
-    store = disk if mode == "disk" else HostExperts(disk, first.dtype, pin=first.device.type == "cuda")
     cache = ExpertCache(
         store, layout, budget, [b.gate for b in blocks], first.device, first.dtype, policy=policy, prefetch=prefetch
     )
