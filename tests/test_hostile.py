@@ -1030,6 +1030,7 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/model_card.py", "(TEMPLATES / name).read_text()"): "the model card templates shipped in the package",
     ("hf_moe/offload/stats.py", 'open("/proc/self/status")'): "this process's memory statistics",
     ("hf_moe/inspect.py", "data_file.read_text("): "the text file named by `hf-moe inspect --data`",
+    ("hf_moe/convert/merge_config.py", "path.read_text("): "the merge recipe (YAML) the user names, not a checkpoint",
     ("hf_moe/convert/stream.py", "os.open(self.directory / filename, flags"): "writes its own staging files",
     ("hf_moe/checkpoint/commit.py", "os.open(lock, "): "creates the writer's lock file beside OUT",
     ("hf_moe/checkpoint/commit.py", "os.open(_lock_path(target, token)"): "locks a writer's lock file beside OUT",
