@@ -28,6 +28,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, register_output_recording
 from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .layers import RouterOutput, SparseMoeBlock
+from .layers.dense_keys import warn_on_replaced_mlp_keys  # issue 22 (deploy branch)
 from .layers.router import AuxFreeRouter
 from .routing import RouterRecorder, RoutingStats, moe_blocks, routing_losses, token_mask
 from .training import aux_free
@@ -432,6 +433,8 @@ def install_moe_blocks(model: nn.Module, config: MoEConfig, blocks: dict[int, nn
         register_output_recording(backbone)  # transformers looks up what to record by the class name
         backbone.router_recorder = RouterRecorder()
         backbone._routing_stats = RoutingStats(len(config.moe_layers), config.num_experts)
+        # issue 22 (deploy branch): a dense LoRA loaded by PEFT (strict=False) would drop its MLP part silently
+        backbone.register_load_state_dict_pre_hook(warn_on_replaced_mlp_keys)
     if config.decoder_layers_path is None:  # a config made with MoEConfig.from_base rather than by conversion
         from .convert.adapters import find_decoder_layers
 
