@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, register_output_recording
+from .compat import CACHE_NAME, MODEL_FOR_CAUSAL_LM_MAPPING, output_cache, register_output_recording
 from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .layers import RouterOutput, SparseMoeBlock
 from .layers.dense_keys import warn_on_replaced_mlp_keys  # issue 22 (deploy branch)
@@ -232,7 +232,7 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             aux_loss=aux_loss,
             z_loss=z_loss,
             logits=outputs.logits,
-            past_key_values=getattr(outputs, "past_key_values", None),
+            **{CACHE_NAME: output_cache(outputs)},  # issue 22 (deploy branch): `cache` from transformers 5.24
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
             router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
