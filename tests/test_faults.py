@@ -86,7 +86,9 @@ IO_CALLS = {
     "ftruncate", "fsync", "copy_file_range", "preadv", "readinto", "flock", "serialize_file", "listdir", "scandir",
     "copyfile", "utime", "chmod",
 }
-OUR_FILES = {str(ROOT / "hf_moe" / name) for name in ("checkpoint.py", "export.py", "convert/stream.py")}
+OUR_FILES = {
+    str(ROOT / "hf_moe" / name) for name in ("checkpoint.py", "export.py", "export_files.py", "convert/stream.py")
+}
 COMMIT_MARKERS = {"_commit", "_commit:return", "_exchange", "_exchange:return", "os.rename", "_carry_unrelated",
                   "_release", "_unlock", "_finish", "_new_staging:return", "write_text"}
 

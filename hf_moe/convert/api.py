@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
+from ..model_card import hub_model_id
 from ..modeling import MoEForCausalLM
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
@@ -213,6 +214,7 @@ def moe_config(
         moe_conversion={
             "method": method,
             "base_model": source,
+            "base_model_hub_id": hub_model_id(source),  # the model card's `base_model` (issue 22, deploy branch)
             "license": license,
             "options": {k: _jsonable(opts[k]) for k in RECORDED_OPTIONS if opts[k] != OPTIONS[k]},
         },
