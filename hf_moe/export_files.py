@@ -175,10 +175,14 @@ def check_written(source, outputs: list[Output], directory: Path) -> list[str]:
     source tensor and one written tensor in memory at a time). Returns the keys that differ."""
     written = _SafetensorsSource(Path(directory))
     wrong = []
-    for tensor, output in _tensors(source, outputs):
-        back = written.read(output.key)
-        if back.dtype != tensor.dtype or back.shape != tensor.shape or not torch.equal(_bytes(back), _bytes(tensor)):
-            wrong.append(output.key)
+    total = sum(o.nbytes for o in outputs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="Reading the export back", leave=False) as bar:
+        for tensor, output in _tensors(source, outputs):
+            back = written.read(output.key)
+            same = back.dtype == tensor.dtype and back.shape == tensor.shape
+            if not (same and torch.equal(_bytes(back), _bytes(tensor))):
+                wrong.append(output.key)
+            bar.update(output.nbytes)
     return wrong
 
 
