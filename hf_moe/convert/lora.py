@@ -285,15 +285,17 @@ class _Plan:
         """A split's partition, read back: an expert's gate row, up row and down column of a neuron are the dense
         MLP's, bit for bit (the conversion copies them)."""
         mlp = self._mlp(layer)
+        block = self.model.get_submodule(self.block(layer))
+        experts = block.experts
+        dtype = experts.down_proj.dtype  # (a conversion in another dtype rounded the dense weights once)
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
         index: dict[bytes, int] = {}
-        for n, signature in enumerate(_signatures(mlp.gate, mlp.up, mlp.down)):
+        for n, signature in enumerate(_signatures(cast(mlp.gate), cast(mlp.up), cast(mlp.down))):
             if index.setdefault(signature, n) != n:
                 raise AdapterConversionError(
                     f"Neurons {index[signature]} and {n} of the dense MLP of layer {layer} have equal weights, so "
                     "which expert holds which cannot be read back; this adapter cannot be split."
                 )
-        block = self.model.get_submodule(self.block(layer))
-        experts = block.experts
         routed = []
         for e in range(self.config.num_experts):
             up = (experts.gate_up_proj if experts.has_gate else experts.up_proj)[e].detach()
