@@ -53,8 +53,11 @@ from transformers.integrations.moe import (
 from transformers.integrations.moe import _default_apply_gate as default_apply_gate
 
 
-# transformers 5.24 renamed the key/value cache of model inputs and outputs from `past_key_values` to `cache` (the old
-# name still works until 5.40, with a deprecation warning on every use). The name the installed release uses:
+# --------------------------------------------------------------------------------------------------------------
+# transformers: names that changed within the TESTED range
+# --------------------------------------------------------------------------------------------------------------
+# 5.24 renamed the key/value cache of model inputs and outputs from `past_key_values` to `cache` (the old name works
+# until 5.40, with a deprecation warning on every use). The name the installed release uses:
 from transformers.modeling_outputs import CausalLMOutputWithPast as _CausalLMOutput
 
 CACHE_NAME = "cache" if "cache" in _CausalLMOutput.__dataclass_fields__ else "past_key_values"
@@ -162,6 +165,7 @@ def triton_cuobjdump() -> str:
 
 __all__ = [
     "ALL_EXPERTS_FUNCTIONS",
+    "CACHE_NAME",
     "CONFIG_MAPPING",
     "Conv1D",
     "MODEL_FOR_CAUSAL_LM_MAPPING",
@@ -172,7 +176,6 @@ __all__ = [
     "TritonASTSource",
     "TritonGPUTarget",
     "WeightConverter",
-    "CACHE_NAME",
     "attn_implementation",
     "cache_kwargs",
     "can_set_experts_implementation",
