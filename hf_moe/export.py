@@ -53,7 +53,7 @@ from .export_files import (
     parameter_counts,
     write_weights,
 )
-from .export_verify import hf_moe_logits, logit_tolerance, native_logits, verified_layers
+from .export_verify import dot_width, hf_moe_logits, logit_tolerance, native_logits, verified_layers
 from .model_card import render_native_card
 from .modeling import MoEForCausalLM
 
@@ -367,8 +367,8 @@ def export_native(
             and compare the logits of the hf_moe model and of the export loaded by plain transformers, both cut to
             their first decoder layers, on a 2x16 random probe (see `hf_moe.export_verify`). "full": compare the
             whole models' logits (one loaded after the other; about twice the model's size in memory). False: no
-            check. In fp32 and fp64 a difference beyond `logit_tolerance` is an error; the measured difference goes
-            into the model card.
+            check. In fp32 and fp64 a difference beyond `hf_moe.export_verify.logit_tolerance` (fp32 rounding) is an
+            error; the measured difference goes into the model card.
         max_shard_size: the largest weight file, as for `save_pretrained`.
     Returns:
         A `NativeExport` (path, model type, architecture, what was checked and the measured difference).
@@ -476,8 +476,8 @@ def _verify(source, outputs, config: MoEConfig, native: PreTrainedConfig, direct
     """Check the export (see `hf_moe.export_verify`) and record what was found in `result`.
 
     A tensor that differs from its source, a tensor transformers does not find or does not use, or in fp32 (and
-    fp64) a logit difference beyond `logit_tolerance`, means the export is wrong: an error rather than a card that
-    says otherwise. In half precision the routers round their logits differently (see the card), so the difference
+    fp64) a logit difference beyond `logit_tolerance` (what rounding explains), means the export is wrong: an error
+    rather than a card that says otherwise. In half precision the routers round their logits differently (see the card), so the difference
     is recorded, not judged.
     """
     wrong = check_written(source, outputs, directory)
@@ -499,11 +499,12 @@ def _verify(source, outputs, config: MoEConfig, native: PreTrainedConfig, direct
     result.max_abs_logit_diff = (got - expected).abs().max().item()
     result.same_argmax = bool(torch.equal(got.argmax(-1), expected.argmax(-1)))
     result.probe = f"{probe.shape[0]}x{probe.shape[1]} random tokens, {str(dtype).removeprefix('torch.')}, eval mode"
-    bound = logit_tolerance(expected.abs().max().item())
+    width = dot_width(config)
+    bound = logit_tolerance(expected.abs().max().item(), width)
     if dtype in (torch.float32, torch.float64) and not result.max_abs_logit_diff <= bound:
         raise NativeExportError(
             f"The exported {result.architecture} does not reproduce the hf_moe model: max |logit difference| "
-            f"{result.max_abs_logit_diff:.3e} on a random probe through {n} of {config.num_hidden_layers} layers "
-            f"(allowed: {bound:.1e}, 1e-5 of the largest |logit|). This is a bug in hf_moe's export; please report "
-            "it with the model's config.json."
+            f"{result.max_abs_logit_diff:.3e} on a random probe through {n} of {config.num_hidden_layers} layers, "
+            f"allowed {bound:.1e} (8 * 2**-24 * sqrt({width}) * max(1, max |logit|): rounding). This is a bug in "
+            "hf_moe's export; please report it with the model's config.json."
         )
