@@ -17,8 +17,8 @@ from hf_moe import compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# convert -> save -> load -> forward with a cache -> generate -> train a step -> export, in a fresh process (transformers
-# logs most deprecations once per process), with every warning and every transformers log line recorded.
+# convert -> save -> load -> forward with a cache -> generate -> train a step -> export, in a fresh process
+# (transformers logs most deprecations once per process), with every warning and transformers log line recorded.
 FLOW = r"""
 import io, logging, sys, tempfile, warnings
 sys.path.insert(0, sys.argv[1])
@@ -44,7 +44,8 @@ with warnings.catch_warnings(record=True) as caught:
     model.train()
     model(ids, labels=ids).loss.backward()
     hf_moe.export_native(out + "/moe", out + "/native")
-found = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+deprecations = (DeprecationWarning, FutureWarning)
+found = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, deprecations)]
 found += [line for line in log.getvalue().splitlines() if "deprecat" in line.lower()]
 print("\n".join(found))
 """
