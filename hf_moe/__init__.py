@@ -19,11 +19,14 @@ from .version import __version__
 
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
 
-# Loaded on first use, not with `import hf_moe`: the training classes import transformers.Trainer, merging reads YAML.
+# Loaded on first use, not with `import hf_moe`: the training classes import transformers.Trainer, merging reads
+# YAML, adapters need PEFT.
 _LAZY = {
     "MoETrainer": "hf_moe.training.trainer",
     "MoEMonitorCallback": "hf_moe.training.monitor",
     "merge_to_moe": "hf_moe.convert.merge",
+    "convert_adapter": "hf_moe.convert.lora",
+    "AdapterConversionError": "hf_moe.convert.lora",
 }
 
 
@@ -37,6 +40,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ROUTERS",
+    "AdapterConversionError",
     "CheckpointError",
     "Experts",
     "MoEConfig",
@@ -54,6 +58,7 @@ __all__ = [
     "StreamingUnsupported",
     "TopKRouter",
     "__version__",
+    "convert_adapter",
     "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",

@@ -57,11 +57,13 @@ def register() -> None:
         auto_class.register(MoEConfig, head, exist_ok=True)
     add_config_class_hook(_register_model_classes)
     # On disk each expert has its own tensors (`...experts.3.down_proj`); in memory they are stacked into one
-    # [E, ...] parameter (`...experts.down_proj`). transformers' loader does the stacking.
+    # [E, ...] parameter (`...experts.down_proj`). transformers' loader does the stacking. (A pattern is a regex
+    # whose `*` is `.*`: the digit keeps it off `shared_experts.*` and PEFT's `experts.base_layer.lora_*`, which
+    # PEFT's adapter loader runs through these rules too.)
     register_checkpoint_conversion_mapping(
         MoEConfig.model_type,
         [
-            WeightConverter(f"experts.*.{name}", f"experts.{name}", operations=[MergeModulelist(dim=0)])
+            WeightConverter(f"experts.[0-9]*.{name}", f"experts.{name}", operations=[MergeModulelist(dim=0)])
             for name in EXPERT_PARAM_NAMES
         ],
         overwrite=True,

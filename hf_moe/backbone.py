@@ -24,6 +24,7 @@ from .compat import register_output_recording
 from .configuration import MoEConfig, moe_config_class
 from .convert.adapters import find_decoder_layers
 from .layers import RouterOutput, SparseMoeBlock
+from .layers.dense_keys import warn_on_replaced_mlp_keys
 from .layers.router import AuxFreeRouter
 from .routing import RouterRecorder, RoutingStats, moe_blocks, routing_losses, token_mask
 
@@ -142,6 +143,8 @@ def install_moe_blocks(
         register_output_recording(backbone)  # transformers looks up what to record by the class name
         backbone.router_recorder = RouterRecorder()
         backbone._routing_stats = RoutingStats(len(config.moe_layers), config.num_experts)
+        # a dense LoRA loaded by PEFT (strict=False) would otherwise drop its MLP part silently
+        backbone.register_load_state_dict_pre_hook(warn_on_replaced_mlp_keys)
     if config.decoder_layers_path is None and backbone is not model:  # a config from MoEConfig.from_base
         config.decoder_layers_path = find_decoder_layers(model)[0]
     layers_path = config.decoder_layers_path

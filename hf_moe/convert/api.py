@@ -18,6 +18,7 @@ from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
+from ..model_card import hub_model_id
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
@@ -215,6 +216,7 @@ def moe_config(
         moe_conversion={
             "method": method,
             "base_model": source,
+            "base_model_hub_id": hub_model_id(source),  # the model card's `base_model`
             "license": license,
             "options": {k: _jsonable(opts[k]) for k in RECORDED_OPTIONS if opts[k] != OPTIONS[k]},
         },
