@@ -1,0 +1,157 @@
+"""One Hugging Face contestant of benchmarks/serve_cpu.py, in a process of its own (so that its peak RSS is its own):
+a model loaded once, commands as JSON lines on stdin, one answer each on stdout after "@@ " (the protocol of
+benchmarks/llamacpp_bench.mjs, whose commands it shares).
+
+    python benchmarks/serve_worker.py --engine hf_moe|native --model DIR --precision fp32|bf16|int8 --threads 2
+
+    hf_moe   MoEForCausalLM.from_pretrained(DIR, dtype=...); int8: hf_moe.quantize_experts(model, "int8") after
+    native   AutoModelForCausalLM.from_pretrained(DIR, dtype=...): transformers' own architecture (the export), with
+             its default experts implementation unless --experts-implementation says otherwise
+
+Commands (each generate/nll on a fresh cache):
+    {"op": "info"}
+    {"op": "generate", "prompt": [ids], "new_tokens": N, "stop_at_eos": bool, "mode": "eager"|"compiled"}
+        -> {"tokens": [...], "times": [0, t_1, ..., t_N]}: seconds from the call to each new token's arrival
+           (greedy; `min_new_tokens=N` unless stop_at_eos). compiled: hf_moe.generation.fast_decode_kwargs(), the
+           static cache with the decode step compiled once (the prefill stays eager, as transformers runs it)
+    {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
+    {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
+
+
+def status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Timestamps:
+    """A `generate` streamer: the time of every `put` after the first (the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def load(args):
+    import hf_moe  # noqa: F401  (registers the hf_moe model type)
+    from transformers import AutoModelForCausalLM
+
+    dtype = PRECISIONS[args.precision]
+    if args.engine == "hf_moe":
+        model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype=dtype)
+        if args.precision == "int8":
+            quantize = getattr(hf_moe, "quantize_experts", None)
+            if quantize is None:
+                raise SystemExit("int8: this hf_moe has no quantize_experts (it comes with the `serve` branch)")
+            quantize(model, "int8")
+    else:
+        kwargs = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
+        if args.precision == "int8":
+            raise SystemExit("int8: transformers' native MoE models have no int8 experts (torchao and quanto "
+                             "quantize nn.Linear only)")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **kwargs)
+    return model.eval()
+
+
+def generate(model, prompt, new_tokens, stop_at_eos, mode, pad_token_id):
+    from hf_moe.generation import fast_decode_kwargs
+
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
+                  attention_mask=torch.ones_like(ids))
+    if not stop_at_eos:
+        kwargs["min_new_tokens"] = new_tokens
+    if mode == "compiled":
+        kwargs.update(fast_decode_kwargs())
+    elif mode != "eager":
+        raise ValueError(f"mode must be eager or compiled, got {mode!r}")
+    streamer = Timestamps()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, streamer=streamer, **kwargs)
+    return {"tokens": out[0, ids.shape[1]:].tolist(), "times": [0.0] + [t - start for t in streamer.times]}
+
+
+def nll(model, tokens):
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        logits = model(ids, use_cache=False).logits[0, :-1].float()  # [T-1, V]
+        logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])
+    return {"nll": float(-logp.sum()), "count": len(tokens) - 1}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["hf_moe", "native"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--precision", choices=sorted(PRECISIONS), required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--experts-implementation", help="native only (default: transformers' default)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model = load(args)
+    load_s = time.perf_counter() - start
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        eos = model.generation_config.eos_token_id
+        pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+
+    def reply(value) -> None:
+        sys.stdout.write("@@ " + json.dumps(value) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True, "load_s": load_s})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        op = command.pop("op")
+        if op == "quit":
+            break
+        try:
+            if op == "info":
+                import transformers
+
+                experts = getattr(model.config, "_experts_implementation", None)
+                answer = {"torch": torch.__version__, "transformers": transformers.__version__,
+                          "threads": torch.get_num_threads(), "class": type(model).__name__,
+                          "dtype": str(model.dtype), "experts_implementation": experts}
+            elif op == "generate":
+                answer = generate(model, pad_token_id=pad, **command)
+            elif op == "nll":
+                answer = nll(model, **command)
+            elif op == "rss":
+                answer = {"peak_rss": status_bytes("VmHWM"), "rss": status_bytes("VmRSS")}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception:  # the parent reports it, with the traceback
+            answer = {"error": traceback.format_exc()}
+        reply(answer)
+
+
+if __name__ == "__main__":
+    main()
