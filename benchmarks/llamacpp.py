@@ -28,6 +28,8 @@ import sys
 import tarfile
 import time
 
+from workers import Worker  # benchmarks/workers.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hf_moe", "llamacpp")
 NODE_PACKAGE = "node-llama-cpp@3.21.1"
@@ -122,42 +124,6 @@ def convert(native_dir: str, out_dir: str, types=("f32", "f16", "q8_0"), directo
                   file=sys.stderr, flush=True)
         paths[kind] = path
     return paths
-
-
-class Worker:
-    """A contestant's process: JSON commands on its stdin, one JSON answer per command on its stdout after "@@ "."""
-
-    def __init__(self, cmd: list[str], name: str, env: dict | None = None):
-        self.name = name
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.ready = self._answer()
-
-    def _answer(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name}: the worker exited ({self.proc.wait()}) before answering; its "
-                                   "stderr is above")
-            if line.startswith("@@ "):
-                answer = json.loads(line[3:])
-                if "error" in answer:
-                    raise RuntimeError(f"{self.name}: {answer['error']}")
-                return answer
-
-    def call(self, op: str, **kwargs) -> dict:
-        self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
 
 
 def llamacpp_worker(gguf: str, threads: int, context: int, directory: str = DEFAULT_DIR, name: str = "") -> Worker:

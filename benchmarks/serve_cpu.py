@@ -45,8 +45,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from llamacpp import DEFAULT_DIR, Worker, convert, installed, llamacpp_worker  # noqa: E402  (benchmarks/)
+from llamacpp import DEFAULT_DIR, convert, installed, llamacpp_worker  # noqa: E402  (benchmarks/)
 from spread import cell  # noqa: E402
+from workers import Worker  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 GGUF_TYPE = {"fp32": "f32", "bf16": "f16", "int8": "q8_0"}

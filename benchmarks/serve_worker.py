@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -61,7 +62,15 @@ def load(args):
 
     dtype = PRECISIONS[args.precision]
     if args.engine == "hf_moe":
-        model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype=dtype)
+        kwargs = {}
+        if args.offload_experts:  # hf_moe's expert cache (benchmarks/offload.py)
+            kwargs = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory,
+                          offload_prefetch=args.offload_prefetch == "on")
+        elif args.accelerate_max_memory:  # accelerate's offload: whole modules on disk, loaded at every forward
+            os.makedirs(args.offload_folder, exist_ok=True)
+            kwargs = dict(device_map="auto", max_memory={"cpu": args.accelerate_max_memory},
+                          offload_folder=args.offload_folder)
+        model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype=dtype, **kwargs)
         if args.precision == "int8":
             quantize = getattr(hf_moe, "quantize_experts", None)
             if quantize is None:
@@ -103,6 +112,21 @@ def nll(model, tokens):
     return {"nll": float(-logp.sum()), "count": len(tokens) - 1}
 
 
+def cache_report(model, reset: bool = False) -> dict:
+    """hf_moe offload: the cache's stats and routing trace since the last reset (then reset, tracing on)."""
+    from hf_moe.offload import expert_cache
+
+    cache = expert_cache(model)
+    s = cache.stats
+    report = {"hit_rate": s.hit_rate, "prefetch_accuracy": s.prefetch_accuracy, "bytes_read": s.bytes_read,
+              "wait_s": s.wait_s, "uses": s.uses, "slots": cache.num_slots, "pool_bytes": cache.pool_bytes(),
+              "policy": cache.policy.name, "prefetch": cache.prefetch, "trace": cache.trace}
+    if reset:
+        s.reset()
+        cache.trace = []
+    return report
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["hf_moe", "native"], required=True)
@@ -110,6 +134,12 @@ def main() -> None:
     p.add_argument("--precision", choices=sorted(PRECISIONS), required=True)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--experts-implementation", help="native only (default: transformers' default)")
+    p.add_argument("--offload-experts", choices=["disk", "cpu"], help="hf_moe only: experts offloaded, cached")
+    p.add_argument("--max-expert-memory", type=int, help="bytes of the expert cache (with --offload-experts)")
+    p.add_argument("--offload-prefetch", choices=["on", "off"], default="off")
+    p.add_argument("--accelerate-max-memory", type=int, help="hf_moe only: accelerate's device_map='auto' with "
+                   "max_memory={'cpu': this} and the rest offloaded to --offload-folder")
+    p.add_argument("--offload-folder")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -140,12 +170,19 @@ def main() -> None:
                 answer = {"torch": torch.__version__, "transformers": transformers.__version__,
                           "threads": torch.get_num_threads(), "class": type(model).__name__,
                           "dtype": str(model.dtype), "experts_implementation": experts}
+                placement = getattr(model, "hf_device_map", None)
+                if placement:  # accelerate's offload: how much of the model it put on disk
+                    disk = sum(v == "disk" for v in placement.values())
+                    answer["offloaded"] = ("everything on disk" if disk == len(placement)
+                                           else f"{disk} of {len(placement)} modules on disk")
             elif op == "generate":
                 answer = generate(model, pad_token_id=pad, **command)
             elif op == "nll":
                 answer = nll(model, **command)
             elif op == "rss":
                 answer = {"peak_rss": status_bytes("VmHWM"), "rss": status_bytes("VmRSS")}
+            elif op == "cache":  # the expert cache's counters since the last reset; reset=True starts a trace
+                answer = cache_report(model, **command)
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception:  # the parent reports it, with the traceback
