@@ -117,8 +117,12 @@ def convert(native_dir: str, out_dir: str, types=("f32", "f16", "q8_0"), directo
             start = time.perf_counter()
             # gguf from PyPI (NO_LOCAL_GGUF), as the issue measured, rather than the copy vendored beside the script
             env = dict(os.environ, NO_LOCAL_GGUF="1")
-            _run([_venv_python(directory), os.path.join(directory, CONVERTER), native_dir, "--outtype", kind,
-                  "--outfile", path + ".part"], env=env, stdout=subprocess.DEVNULL)
+            cmd = [_venv_python(directory), os.path.join(directory, CONVERTER), native_dir, "--outtype", kind,
+                   "--outfile", path + ".part"]
+            print(f"converting {native_dir} to GGUF {kind} ...", file=sys.stderr, flush=True)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
             os.replace(path + ".part", path)
             print(f"  {path}: {os.path.getsize(path) / 2**20:,.0f} MiB in {time.perf_counter() - start:.0f}s",
                   file=sys.stderr, flush=True)
