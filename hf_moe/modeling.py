@@ -410,7 +410,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
         there, as transformers does for ZeRO-3 and FSDP. With a static cache (`cache_implementation="static"`)
         the decode step is compiled once, on CPU too (`hf_moe.generation`)."""
-        kwargs = prepare_generate_kwargs(self, kwargs)
+        kwargs = prepare_generate_kwargs(self, args, kwargs)
         if getattr(self, "expert_parallel_plan", None) is not None:
             call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
             if call.arguments.get("synced_gpus") is None:

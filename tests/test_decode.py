@@ -18,7 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, Genera
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import hf_moe
-from hf_moe.generation import DEFAULT_MAX_CACHE_LEN, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs
+from hf_moe.generation import (
+    MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
+)
 
 from conftest import VOCAB, random_ids, tiny_dense, tiny_tokenizer
 
@@ -38,26 +40,32 @@ def greedy(model, ids, new_tokens, **kwargs):
 # ----------------------------------------------------------------------------------------------------- the switch
 def test_prepare_generate_kwargs_fills_in_the_compiled_decode_only_for_a_static_cache():
     moe = converted()
-    assert prepare_generate_kwargs(moe, {"max_new_tokens": 3}) == {"max_new_tokens": 3}  # dynamic cache: unchanged
-    filled = prepare_generate_kwargs(moe, {"cache_implementation": "static"})
-    assert filled["max_cache_len"] == DEFAULT_MAX_CACHE_LEN
+    ids = random_ids(1, 12)
+    prepare = lambda **kw: prepare_generate_kwargs(moe, (), kw)  # noqa: E731
+    assert prepare(input_ids=ids, max_new_tokens=3) == {"input_ids": ids, "max_new_tokens": 3}  # dynamic: unchanged
+    filled = prepare(input_ids=ids, max_new_tokens=3, cache_implementation="static")
+    assert filled["max_cache_len"] == MIN_CACHE_LEN
     assert filled["compile_config"] == decode_compile_config() and filled["compile_config"]._compile_all_devices
     assert filled["compile_config"].fullgraph and filled["compile_config"].dynamic is False
+    # The cache holds the call's need rounded up to a power of two; the prompt may be positional.
+    assert prepare_generate_kwargs(moe, (random_ids(1, 300),), {"max_new_tokens": 20, "cache_implementation": "static"})[
+        "max_cache_len"] == 512
+    assert [cache_length(n) for n in (1, 256, 257, 1000, 1025)] == [256, 256, 512, 1024, 2048]
     # The caller's own choices win, wherever they are made.
     mine = CompileConfig(fullgraph=False)
-    kept = prepare_generate_kwargs(moe, {"cache_implementation": "static", "compile_config": mine, "max_cache_len": 64})
+    kept = prepare(cache_implementation="static", compile_config=mine, max_cache_len=64)
     assert kept["compile_config"] is mine and kept["max_cache_len"] == 64
-    via_config = prepare_generate_kwargs(moe, {"generation_config": GenerationConfig(cache_implementation="static")})
-    assert via_config["max_cache_len"] == DEFAULT_MAX_CACHE_LEN
+    via_config = prepare(input_ids=ids, generation_config=GenerationConfig(cache_implementation="static", max_new_tokens=5))
+    assert via_config["max_cache_len"] == MIN_CACHE_LEN
     moe.generation_config.cache_implementation = "static"  # saved with the model: generate and pipeline use it
-    assert "compile_config" in prepare_generate_kwargs(moe, {})
-    assert prepare_generate_kwargs(moe, {"cache_implementation": "dynamic"}) == {"cache_implementation": "dynamic"}
+    assert "compile_config" in prepare(input_ids=ids)
+    assert prepare(cache_implementation="dynamic") == {"cache_implementation": "dynamic"}
 
 
 def test_offloaded_experts_are_left_to_eager_decoding(tmp_path):
     converted().save_pretrained(tmp_path / "moe")
     model = hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "moe", offload_experts="disk", max_expert_memory="1MiB")
-    assert prepare_generate_kwargs(model, {"cache_implementation": "static"}) == {"cache_implementation": "static"}
+    assert prepare_generate_kwargs(model, (), {"cache_implementation": "static"}) == {"cache_implementation": "static"}
 
 
 # ---------------------------------------------------------------------------------- compiled once, hf_moe models
@@ -109,10 +117,25 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
     for (ids, n), a, b in zip(calls, eager, fast):
         assert torch.equal(a.sequences, b.sequences)
         torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-4, rtol=1e-4)
-        assert b.past_key_values.is_compileable and b.past_key_values.layers[0].keys.shape[2] == DEFAULT_MAX_CACHE_LEN
+        assert b.past_key_values.is_compileable and b.past_key_values.layers[0].keys.shape[2] == MIN_CACHE_LEN
     with torch.compiler.set_stance("force_eager"):
         assert piped == generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False)[0][
             "generated_text"]
+
+
+@pytest.mark.slow
+def test_a_longer_call_compiles_once_for_the_next_power_of_two():
+    """A call past the cache's length compiles once more, for a cache of the next power of two (512); every call
+    after it, shorter ones included, reuses that graph."""
+    torch.compiler.reset()
+    moe = converted()
+    greedy(moe, random_ids(1, 10, seed=9), 3, cache_implementation="static")  # compiles for 256 positions
+    with RecompileLog() as log:
+        long = greedy(moe, random_ids(1, 250, seed=10), 10, cache_implementation="static")
+    assert log.recompiled and long.past_key_values.layers[0].keys.shape[2] == 512
+    with RecompileLog() as log, torch.compiler.set_stance("fail_on_recompile"):
+        short = greedy(moe, random_ids(1, 10, seed=11), 3, cache_implementation="static")
+    assert not log.recompiled and short.past_key_values.layers[0].keys.shape[2] == 512
 
 
 @pytest.mark.slow
@@ -212,7 +235,7 @@ def test_mixtral_with_hf_moe_experts_generate_compilation_all_outputs():
 
 
 def test_fast_decode_kwargs_are_transformers_generate_arguments():
-    kwargs = fast_decode_kwargs(max_cache_len=256)
+    kwargs = fast_decode_kwargs(max_cache_len=512)
     config = GenerationConfig(**{k: v for k, v in kwargs.items()})
-    assert config.cache_implementation == "static" and config.max_cache_len == 256
+    assert config.cache_implementation == "static" and config.max_cache_len == 512
     config.validate()
