@@ -50,7 +50,8 @@ from spread import cell  # noqa: E402
 from workers import Worker  # noqa: E402
 
 QUESTION = "What is the capital of France?"
-GGUF_TYPE = {"fp32": "f32", "bf16": "f16", "int8": "q8_0"}
+GGUF_TYPE = {"fp32": "f32", "bf16": "f16", "int8": "q8_0"}  # llama.cpp's type at each precision (the pairs)
+GGUF_EXTRA = {"bf16": "bf16"}  # --llamacpp-bf16: llama.cpp's own bf16 too, in the bf16 group
 
 
 # ------------------------------------------------------------------------------------------------------ the texts
@@ -118,12 +119,12 @@ def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[s
         if engine in args.engines:
             workers.append((f"{engine} {precision}", python_worker(engine, dirs[engine], precision, args),
                             list(args.modes)))
-    if precision in GGUF_TYPE and GGUF_TYPE[precision] in ggufs:
-        kind = GGUF_TYPE[precision]
-        context = max(args.prefill) + args.new_tokens + 64
-        context = max(context, args.loss_window + 8, len(args.texts.question) + args.new_tokens + 8)
-        workers.append((f"llama.cpp {kind}", llamacpp_worker(ggufs[kind], args.threads, context, args.llamacpp_dir),
-                        ["-"]))
+    context = max(max(args.prefill) + args.new_tokens + 64, args.loss_window + 8,
+                  len(args.texts.question) + args.new_tokens + 8)
+    for kind in (GGUF_TYPE.get(precision), GGUF_EXTRA.get(precision)):
+        if kind in ggufs:
+            workers.append((f"llama.cpp {kind}", llamacpp_worker(ggufs[kind], args.threads, context,
+                                                                 args.llamacpp_dir), ["-"]))
     return workers
 
 
@@ -206,13 +207,14 @@ def tables(results: dict, args) -> list[str]:
     for name, r in results.items():
         cells = [cell([run[f] for run in r["runs"]]).strip() for f in figures]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['first_call_s']:.1f} |")
-    peers = {name: f"llama.cpp {GGUF_TYPE[name.split()[1]]}" for name in results if not name.startswith("llama")}
-    peers = {k: v for k, v in peers.items() if v in results}
+    pairs = [(name, f"llama.cpp {kinds[p]}") for name in results if not name.startswith("llama")
+             for kinds in (GGUF_TYPE, GGUF_EXTRA) for p in [name.split()[1]] if p in kinds]
+    pairs = [(name, peer) for name, peer in pairs if peer in results]
     lines += [""]
-    if peers:
+    if pairs:
         lines += ["Speed / llama.cpp at the same precision (per-repeat ratio, median [20th-80th percentile]):", "",
                   "| contestant | vs | " + " | ".join(titles) + " |", "|---" * (len(titles) + 2) + "|"]
-        for name, peer in peers.items():
+        for name, peer in pairs:
             ratios = [cell([a[f] / b[f] for a, b in zip(results[name]["runs"], results[peer]["runs"])], 2).strip()
                       for f in figures]
             lines.append(f"| {name} | {peer} | " + " | ".join(ratios) + " |")
@@ -272,6 +274,7 @@ def main() -> None:
     p.add_argument("--loss-windows", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llamacpp-dir", default=DEFAULT_DIR)
+    p.add_argument("--llamacpp-bf16", action="store_true", help="also llama.cpp's bf16 GGUF in the bf16 group")
     p.add_argument("--out", help="also write the tables (markdown) here")
     args = p.parse_args()
     if args.smoke:
@@ -299,6 +302,7 @@ def main() -> None:
             print(f"NOTE: llama.cpp skipped: {args.llamacpp_skipped}.", file=sys.stderr, flush=True)
         else:
             wanted = [GGUF_TYPE[p] for p in args.precisions if p in GGUF_TYPE]
+            wanted += [GGUF_EXTRA[p] for p in args.precisions if p in GGUF_EXTRA and args.llamacpp_bf16]
             ggufs = convert(dirs["native"], os.path.join(args.workdir, "gguf"), wanted, args.llamacpp_dir)
     tokenizer = None
     if not args.smoke:
