@@ -63,9 +63,15 @@ def test_prepare_generate_kwargs_fills_in_the_compiled_decode_only_for_a_static_
 
 
 def test_offloaded_experts_are_left_to_eager_decoding(tmp_path):
-    converted().save_pretrained(tmp_path / "moe")
+    """The expert cache decides on the host what to read: a static cache asked of an offloaded model decodes
+    eagerly (nothing compiled), with the fully loaded model's greedy tokens."""
+    moe = converted()
+    moe.save_pretrained(tmp_path / "moe")
     model = hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "moe", offload_experts="disk", max_expert_memory="1MiB")
     assert prepare_generate_kwargs(model, (), {"cache_implementation": "static"}) == {"cache_implementation": "static"}
+    ids = random_ids(1, 10)
+    out = greedy(model, ids, 5, cache_implementation="static")
+    assert torch.equal(out.sequences, greedy(moe, ids, 5).sequences) and not hasattr(model, "_compiled_call")
 
 
 # ---------------------------------------------------------------------------------- compiled once, hf_moe models
