@@ -87,14 +87,14 @@ def load(args):
 
 
 def generate(model, prompt, new_tokens, stop_at_eos, mode, pad_token_id):
-    from hf_moe.generation import fast_decode_kwargs
-
     ids = torch.tensor([prompt])
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
                   attention_mask=torch.ones_like(ids))
     if not stop_at_eos:
         kwargs["min_new_tokens"] = new_tokens
     if mode == "compiled":  # one cache length for every call of the benchmark (its longest need: 512 + 1)
+        from hf_moe.generation import fast_decode_kwargs
+
         kwargs.update(fast_decode_kwargs(max_cache_len=1024))
     elif mode != "eager":
         raise ValueError(f"mode must be eager or compiled, got {mode!r}")
