@@ -102,9 +102,12 @@ def python_worker(engine: str, directory: str, precision: str, args) -> Worker:
 
 
 def int8_available() -> bool:
+    """Whether this hf_moe has weight-only int8 experts (`quantize_experts`)."""
+    import importlib.util
+
     import hf_moe
 
-    return hasattr(hf_moe, "quantize_experts")
+    return hasattr(hf_moe, "quantize_experts") or importlib.util.find_spec("hf_moe.quantize") is not None
 
 
 def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[str, Worker, list[str]]]:
