@@ -174,8 +174,10 @@ def run_group(precision: str, dirs: dict, ggufs: dict, texts: Texts, args) -> di
             print(f"  {precision}: repeat {repeat + 1}/{args.repeats} done (load {os.getloadavg()[0]:.1f})",
                   file=sys.stderr, flush=True)
         for label, worker, modes in workers:  # quality: once per worker (the compiled path computes the same)
+            if not modes:
+                continue
             nll = sum(worker.call("nll", tokens=w)["nll"] for w in texts.windows)
-            extra = {} if modes == ["-"] else {"mode": "eager"}
+            extra = {} if modes == ["-"] else {"mode": modes[0]}
             answer = worker.call("generate", prompt=texts.question, new_tokens=24, stop_at_eos=True, **extra)
             for name in results:
                 if results[name]["worker"] == label:
