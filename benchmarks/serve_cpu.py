@@ -132,7 +132,9 @@ def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[s
 
 
 def run_once(worker: Worker, mode: str, texts: Texts, args) -> dict:
-    """One repeat of one contestant: decode, then each prefill."""
+    """One repeat of one contestant: decode, then each prefill. The compiled path compiles the decode step only
+    (the prefill runs eagerly), so its prefill is the eager one's: measured once, under `eager`, which also keeps the
+    static cache of the compiled decode as short as a chat turn needs (256 positions), as it is for users."""
     extra = {} if mode == "-" else {"mode": mode}
     out = worker.call("generate", prompt=texts.question, new_tokens=args.new_tokens, stop_at_eos=False, **extra)
     times = out["times"]
@@ -140,8 +142,9 @@ def run_once(worker: Worker, mode: str, texts: Texts, args) -> dict:
     result = {"decode_step": 1 / statistics.median(steps), "decode_e2e": args.new_tokens / times[-1],
               "tokens": out["tokens"]}
     for n, prompt in texts.prefill.items():
-        out = worker.call("generate", prompt=prompt, new_tokens=1, stop_at_eos=False, **extra)
-        result[f"prefill_{n}"] = n / out["times"][1]
+        if mode != "compiled":
+            out = worker.call("generate", prompt=prompt, new_tokens=1, stop_at_eos=False, **extra)
+            result[f"prefill_{n}"] = n / out["times"][1]
     return result
 
 
@@ -210,7 +213,7 @@ def tables(results: dict, args) -> list[str]:
     titles = ["decode tok/s (median step)", "decode tok/s (end to end)", *[f"prefill {n} tok/s" for n in args.prefill]]
     lines = ["| contestant | " + " | ".join(titles) + " | first call s |", "|---" * (len(titles) + 2) + "|"]
     for name, r in results.items():
-        cells = [cell([run[f] for run in r["runs"]]).strip() for f in figures]
+        cells = [cell([run[f] for run in r["runs"]]).strip() if f in r["runs"][0] else "(eager's)" for f in figures]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['first_call_s']:.1f} |")
     pairs = [(name, f"llama.cpp {kinds[p]}") for name in results if not name.startswith("llama")
              for kinds in (GGUF_TYPE, GGUF_EXTRA) for p in [name.split()[1]] if p in kinds]
@@ -221,7 +224,7 @@ def tables(results: dict, args) -> list[str]:
                   "| contestant | vs | " + " | ".join(titles) + " |", "|---" * (len(titles) + 2) + "|"]
         for name, peer in pairs:
             ratios = [cell([a[f] / b[f] for a, b in zip(results[name]["runs"], results[peer]["runs"])], 2).strip()
-                      for f in figures]
+                      if f in results[name]["runs"][0] else "-" for f in figures]
             lines.append(f"| {name} | {peer} | " + " | ".join(ratios) + " |")
     else:
         lines.append(f"No llama.cpp contestant: {args.llamacpp_skipped}.")

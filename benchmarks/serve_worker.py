@@ -13,8 +13,9 @@ Commands (each generate/nll on a fresh cache):
     {"op": "generate", "prompt": [ids], "new_tokens": N, "stop_at_eos": bool, "mode": "eager"|"compiled"}
         -> {"tokens": [...], "times": [0, t_1, ..., t_N]}: seconds from the call to each new token's arrival
            (greedy; `min_new_tokens=N` unless stop_at_eos). compiled: hf_moe.generation.fast_decode_kwargs(), the
-           static cache with the decode step compiled once (the prefill stays eager, as transformers runs it), 1024
-           positions long for every call and both engines
+           static cache with the decode step compiled once (the prefill stays eager, as transformers runs it), as
+           long as `hf_moe.generation` makes it for hf_moe models (the need, in a power of two, at least 256), for
+           both engines
     {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
     {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
 """
@@ -104,10 +105,10 @@ def generate(model, prompt, new_tokens, stop_at_eos, mode, pad_token_id):
                   attention_mask=torch.ones_like(ids))
     if not stop_at_eos:
         kwargs["min_new_tokens"] = new_tokens
-    if mode == "compiled":  # one cache length for every call of the benchmark (its longest need: 512 + 1)
-        from hf_moe.generation import fast_decode_kwargs
+    if mode == "compiled":  # the fast decode path: cache length the call's need, a power of two (>= 256)
+        from hf_moe.generation import cache_length, fast_decode_kwargs
 
-        kwargs.update(fast_decode_kwargs(max_cache_len=1024))
+        kwargs.update(fast_decode_kwargs(max_cache_len=cache_length(ids.shape[1] + new_tokens)))
     elif mode != "eager":
         raise ValueError(f"mode must be eager or compiled, got {mode!r}")
     streamer = Timestamps()
