@@ -18,7 +18,8 @@ configuration in turn (interleaved: load on a shared machine hits them alike):
     hf_moe =RSS     hf_moe offload with the budget that gives accelerate's peak RSS: the comparison at equal memory
                     when accelerate cannot come down to hf_moe's
     hf_moe bf16     (--bf16) the checkpoint saved once in bf16 (half the bytes per expert read), offloaded with the
-                    byte budget B (twice the experts resident); and accelerate on that bf16 checkpoint
+                    byte budget B (twice the experts resident); accelerate on that bf16 checkpoint; and hf_moe bf16
+                    with the budget that gives accelerate bf16's peak RSS
     runtime         a process that only imports torch, transformers and hf_moe: the RSS every configuration pays
 
 Each configuration warms up once, then generates --new-tokens greedily after a --prompt-tokens prompt --repeats
@@ -168,10 +169,18 @@ def bench_model(title: str, model: str, args, runtime: int) -> list[str]:
             workers["accelerate bf16"] = worker(args, half, "accelerate bf16", "--accelerate-max-memory",
                                                 str(acc_memory), "--offload-folder", folder, precision="bf16")
             notes["accelerate bf16"] = f"bf16 checkpoint, max_memory cpu {mib(acc_memory)} MiB"
+            measure(workers["hf_moe bf16"], ids, args)
+            measure(workers["accelerate bf16"], ids, args)
+            gap = workers["accelerate bf16"].call("rss")["peak_rss"] - workers["hf_moe bf16"].call("rss")["peak_rss"]
+            if gap > 0.05 * workers["hf_moe bf16"].call("rss")["peak_rss"]:  # the bf16 pair at equal memory too
+                equal = int(min(budget + gap, expert_bytes // 2))
+                workers["hf_moe bf16 =RSS"] = worker(args, half, "hf_moe bf16 =RSS", *offload_args(equal, False),
+                                                     precision="bf16")
+                notes["hf_moe bf16 =RSS"] = f"bf16 checkpoint, budget {mib(equal)} MiB"
         for name, w in workers.items():
             if name != "accelerate":
                 measure(w, ids, args)  # warm-up
-        for name in ("hf_moe", "hf_moe pf", "hf_moe =RSS", "hf_moe bf16"):
+        for name in ("hf_moe", "hf_moe pf", "hf_moe =RSS", "hf_moe bf16", "hf_moe bf16 =RSS"):
             if name in workers:
                 workers[name].call("cache", reset=True)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in workers}
@@ -219,6 +228,13 @@ def table(title, args, runs, rss, caches, notes, runtime, expert_bytes, other_by
         ratio = spread([a[1] / b[1] for a, b in zip(r, acc)])
         lines.append(f"| {label} | {spread([x[1] for x in r])} | {ratio} | {spread([x[0] for x in r])} | "
                      f"{mib(rss[name])} | {cache} |")
+    if "accelerate bf16" in runs:
+        lines.append("")
+        for name in ("hf_moe bf16", "hf_moe bf16 =RSS"):
+            if name in runs:
+                ratio = spread([a[1] / b[1] for a, b in zip(runs[name], runs["accelerate bf16"])])
+                lines.append(f"- {name} / accelerate bf16, decode: {ratio} at peak RSS {mib(rss[name])} vs "
+                             f"{mib(rss['accelerate bf16'])} MiB.")
     trace = caches["hf_moe"]["trace"]
     slots = caches["hf_moe"]["slots"]
     lines += ["", f"Cache policies replayed on the hf_moe run's routing trace ({len(trace)} layer forwards), {slots} "
