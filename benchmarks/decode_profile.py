@@ -88,13 +88,16 @@ def main() -> None:
     from transformers import DynamicCache, StaticCache
 
     import hf_moe
-    from hf_moe.generation import MIN_CACHE_LEN, decode_compile_config
 
     model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype={"fp32": torch.float32,
                                                                      "bf16": torch.bfloat16}[args.dtype]).eval()
     prompt = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    assert prompt.shape[1] + args.steps + 20 <= MIN_CACHE_LEN
-    compiled = torch.compile(model.__call__, **decode_compile_config().to_dict())
+    compiled = None
+    if "compiled" in args.modes:
+        from hf_moe.generation import MIN_CACHE_LEN, decode_compile_config
+
+        assert prompt.shape[1] + args.steps + 20 <= MIN_CACHE_LEN
+        compiled = torch.compile(model.__call__, **decode_compile_config().to_dict())
     states = {}
     with torch.inference_mode():
         for mode in args.modes.split(","):
