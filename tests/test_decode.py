@@ -245,3 +245,21 @@ def test_fast_decode_kwargs_are_transformers_generate_arguments():
     config = GenerationConfig(**{k: v for k, v in kwargs.items()})
     assert config.cache_implementation == "static" and config.max_cache_len == 512
     config.validate()
+
+
+# -------------------------------------------------------------------------------------------------- hf-moe generate
+def test_cli_generate_with_a_static_cache_streams_the_default_paths_tokens(tmp_path, capsys):
+    """`hf-moe generate --cache-implementation static` (the compiled decode step) and `--dtype fp32` stream what the
+    default path streams."""
+    from hf_moe.cli import main
+
+    converted().save_pretrained(tmp_path / "moe")
+    tiny_tokenizer().save_pretrained(tmp_path / "moe")
+    texts = []
+    for extra in ([], ["--cache-implementation", "static", "--dtype", "fp32"]):
+        code = main(["generate", str(tmp_path / "moe"), "the quick", "--max-new-tokens", "6", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "decode" in err and "tok/s" in err
+        texts.append(out.strip())
+    assert texts[0] and texts[0] == texts[1]
