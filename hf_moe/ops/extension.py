@@ -34,8 +34,9 @@ logger = logging.getLogger("hf_moe")
 _HERE = Path(__file__).resolve()
 # csrc/ at the top of a source checkout (and of editable installs); inside the package (hf_moe/csrc) in a wheel.
 CSRC = _HERE.parents[2] / "csrc" if (_HERE.parents[2] / "csrc" / "ops.cpp").is_file() else _HERE.parents[1] / "csrc"
-CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp"]
-HEADERS = ["hf_moe.h", "cpu/activation_cpu.h"]
+CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp",
+               "cpu/serve_cpu.cpp", "cpu/serve_kernels.cpp"]
+HEADERS = ["hf_moe.h", "cpu/activation_cpu.h", "cpu/serve_kernels.h"]
 CXX_FLAGS = ["-O3", "-fopenmp"]
 
 
@@ -253,3 +254,7 @@ def register_fake_kernels() -> None:
 
     torch.library.register_fake(lib + "moe_experts_forward")(fused_forward_fake)
     torch.library.register_fake(lib + "moe_experts_backward")(fused_backward_fake)
+
+    from .infer import infer_fake  # the inference kernel (csrc/cpu/serve_cpu.cpp)
+
+    torch.library.register_fake(lib + "moe_experts_infer")(infer_fake)

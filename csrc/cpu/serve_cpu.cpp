@@ -1,0 +1,328 @@
+// The expert computation of one MoE layer for inference on CPU, one call, with fp32, bf16 or int8 (weight-only)
+// expert weights: hf_moe::moe_experts_infer. Same maths as moe_experts_forward (fused_cpu.cpp), without autograd:
+//
+//   a_r = act(x_t W1_e^T + b1_e) * w_r              (GLU: act(gate) * up)      for each (token t, expert e) pair r
+//   out_t = sum over t's pairs of  a_r W2_e^T + w_r b2_e
+//
+// Compute precision follows the weights: fp32 weights compute in fp32; bf16 weights in bf16 with fp32 accumulation
+// (vdpbf16ps); int8 weights are dequantized (q * scale) a few rows at a time, in L1, to the activations' precision
+// (fp32, or bf16 for bf16 activations) and then multiplied as those: the result is dequantize-then-matmul without
+// the dequantized matrix ever reaching memory. Scales are fp32, one per output row ([E, out]) or per group of
+// `K / G` inputs ([E, out, G]).
+//
+// Work is split by output columns, never by expert, so every thread streams its share of every active expert's
+// weights once: a one-token decode reads each active weight once, with both threads busy, and a long prefill reuses
+// each few weight rows (in L1) for all the rows routed to that expert.
+//   phase 1: blocks of intermediate columns j (gate rows j and up rows I + j together, so the activation follows
+//            at once): a [M, I], the M = N k pairs grouped by expert;
+//   phase 2: blocks of hidden columns: out[:, block] summed over every expert's pairs.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "../hf_moe.h"
+#include "serve_kernels.h"
+
+namespace hf_moe {
+namespace {
+
+using serve::Kernels;
+using serve::kTile;
+
+constexpr int64_t kUpBlock = 64;    // intermediate columns per phase-1 task
+constexpr int64_t kDownBlock = 32;  // hidden columns per phase-2 task
+
+// Rows [r0, r0 + cols) of expert e of one weight, in the compute type T (float, or bf16 bits as uint16_t).
+template <typename T>
+struct WeightRows {
+  const char* data;
+  at::ScalarType dtype;
+  int64_t rows, k;  // per expert: [rows, k]
+  const float* scale = nullptr;
+  int64_t ld_scale = 1, group = 1;
+
+  // A pointer to the rows and their stride: into the weight itself, or (int8) into `scratch`, dequantized.
+  const T* get(const Kernels& kn, int64_t e, int64_t r0, int cols, T* scratch, int64_t& ld) const {
+    const int64_t first = e * rows + r0;
+    if (dtype != at::kChar) {
+      ld = k;
+      return reinterpret_cast<const T*>(data) + first * k;
+    }
+    const auto* q = reinterpret_cast<const int8_t*>(data) + first * k;
+    const float* s = scale + first * ld_scale;
+    ld = k;
+    if constexpr (std::is_same_v<T, float>) kn.dequant_f32(q, k, s, ld_scale, group, cols, k, scratch);
+    else kn.dequant_bf16(q, k, s, ld_scale, group, cols, k, scratch);
+    return scratch;
+  }
+};
+
+template <typename T>
+void dot(const Kernels& kn, const T* x, int64_t ldx, int64_t rows, const T* w, int64_t ldw, int cols, int64_t k,
+         float* out, int64_t ldo) {
+  if constexpr (std::is_same_v<T, float>) kn.dot_f32(x, ldx, rows, w, ldw, cols, k, out, ldo);
+  else kn.dot_bf16(x, ldx, rows, w, ldw, cols, k, out, ldo);
+}
+
+inline float load_float(const void* p, at::ScalarType t, int64_t i) {
+  if (t == at::kFloat) return static_cast<const float*>(p)[i];
+  if (t == at::kBFloat16) return static_cast<float>(static_cast<const at::BFloat16*>(p)[i]);
+  return static_cast<float>(static_cast<const at::Half*>(p)[i]);
+}
+
+// Per-thread scratch, grown on demand and kept: a decode step then allocates nothing.
+float* thread_scratch(size_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+void check_scale(const c10::optional<at::Tensor>& scale, const at::Tensor& w, const char* name) {
+  if (w.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scale.has_value(), "moe_experts_infer: ", name, "_scale is given but ", name, " is ",
+                w.scalar_type(), ", not int8");
+    return;
+  }
+  TORCH_CHECK(scale.has_value(), "moe_experts_infer: ", name, " is int8 and needs ", name,
+              "_scale ([E, out] or [E, out, groups], fp32)");
+  const auto& s = *scale;
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous(), "moe_experts_infer: ", name,
+              "_scale must be a contiguous fp32 tensor, got ", s.scalar_type());
+  TORCH_CHECK((s.dim() == 2 || s.dim() == 3) && s.size(0) == w.size(0) && s.size(1) == w.size(1),
+              "moe_experts_infer: ", name, "_scale must be [E, out] or [E, out, groups] for ", name, " ", w.sizes(),
+              ", got ", s.sizes());
+  if (s.dim() == 3) {
+    const int64_t groups = s.size(2), k = w.size(2);
+    TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "moe_experts_infer: ", name, "_scale has ",
+                groups, " groups over ", k, " inputs; each group must span a multiple of 32 inputs");
+  }
+}
+
+template <typename T>
+WeightRows<T> weight_rows(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
+  WeightRows<T> rows{static_cast<const char*>(w.data_ptr()), w.scalar_type(), w.size(1), w.size(2)};
+  if (scale.has_value()) {
+    rows.scale = scale->data_ptr<float>();
+    rows.ld_scale = scale->dim() == 3 ? scale->size(2) : 1;
+    rows.group = scale->dim() == 3 ? w.size(2) / scale->size(2) : w.size(2);
+  }
+  return rows;
+}
+
+template <typename T>
+void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& offsets,
+         const std::vector<int64_t>& row_token, const std::vector<float>& row_weight, const at::Tensor& w1,
+         const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+         const c10::optional<at::Tensor>& s2, const c10::optional<at::Tensor>& b2, Activation act, bool glu,
+         at::Tensor& out) {
+  const int64_t n_tokens = x.size(0), hid = x.size(1), num_experts = w1.size(0);
+  const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1), m = offsets.back();
+  const auto up = weight_rows<T>(w1, s1);
+  const auto down = weight_rows<T>(w2, s2);
+  const at::Tensor bias1 = b1.has_value() ? b1->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor bias2 = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bias1_p = bias1.defined() ? bias1.data_ptr<float>() : nullptr;
+  const float* bias2_p = bias2.defined() ? bias2.data_ptr<float>() : nullptr;
+  const bool out_f32 = out.scalar_type() == at::kFloat;
+
+  std::vector<T> xs(m * hid);  // the pairs' rows of x, grouped by expert, in the compute type
+  std::vector<T> a(m * inter);
+  std::vector<float> acc(out_f32 ? 0 : n_tokens * hid);  // fp32 sums for a bf16 output
+  float* sum = out_f32 ? out.data_ptr<float>() : acc.data();
+  std::vector<int64_t> experts;
+  int64_t largest = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (offsets[e + 1] > offsets[e]) experts.push_back(e);
+    largest = std::max(largest, offsets[e + 1] - offsets[e]);
+  }
+  const int64_t up_blocks = (inter + kUpBlock - 1) / kUpBlock;
+  const int64_t up_tasks = static_cast<int64_t>(experts.size()) * up_blocks;
+  const int64_t down_tasks = (hid + kDownBlock - 1) / kDownBlock;
+  const void* x_p = x.data_ptr();
+  const at::ScalarType x_t = x.scalar_type();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                              std::max(up_tasks, down_tasks))));
+
+#pragma omp parallel num_threads(threads)
+  {
+    // Scratch: two blocks of dequantized weight rows (int8), the gate and up sums of phase 1, one row of
+    // activations, the output sums of phase 2.
+    const int64_t kmax = std::max(hid, inter), most = std::max<int64_t>(largest, 1);
+    float* scratch = thread_scratch(2 * kTile * kmax + 2 * kUpBlock * most + kUpBlock + kDownBlock * most);
+    T* wbuf = reinterpret_cast<T*>(scratch);
+    float* gate = scratch + 2 * kTile * kmax;
+    float* upv = gate + kUpBlock * most;
+    float* tmp = upv + kUpBlock * most;
+    float* ybuf = tmp + kUpBlock;
+
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t t = row_token[r];
+      T* dst = xs.data() + r * hid;
+      if (std::is_same_v<T, float> && x_t == at::kFloat) {
+        std::memcpy(dst, static_cast<const float*>(x_p) + t * hid, hid * sizeof(float));
+      } else if (!std::is_same_v<T, float> && x_t == at::kBFloat16) {
+        std::memcpy(dst, static_cast<const at::BFloat16*>(x_p) + t * hid, hid * sizeof(uint16_t));
+      } else {
+        for (int64_t c = 0; c < hid; ++c) {
+          const float v = load_float(x_p, x_t, t * hid + c);
+          if constexpr (std::is_same_v<T, float>) dst[c] = v;
+          else kn.to_bf16(&v, 1, dst + c);
+        }
+      }
+    }
+
+    // Phase 1: a = act(x W1^T + b1) * w, block by block of intermediate columns.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < up_tasks; ++task) {
+      const int64_t e = experts[task / up_blocks];
+      const int64_t j0 = (task % up_blocks) * kUpBlock, width = std::min(kUpBlock, inter - j0);
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      const T* xe = xs.data() + r0 * hid;
+      for (int64_t j = 0; j < width; j += kTile) {
+        const int cols = static_cast<int>(std::min<int64_t>(kTile, width - j));
+        int64_t ld;
+        const T* wg = up.get(kn, e, j0 + j, cols, wbuf, ld);
+        dot(kn, xe, hid, rows, wg, ld, cols, hid, gate + j, kUpBlock);
+        if (glu) {
+          const T* wu = up.get(kn, e, inter + j0 + j, cols, wbuf + kTile * kmax, ld);
+          dot(kn, xe, hid, rows, wu, ld, cols, hid, upv + j, kUpBlock);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* g = gate + r * kUpBlock;
+        float* u = upv + r * kUpBlock;
+        if (bias1_p) {
+          const float* b = bias1_p + e * w1.size(1);
+          for (int64_t j = 0; j < width; ++j) g[j] += b[j0 + j];
+          if (glu)
+            for (int64_t j = 0; j < width; ++j) u[j] += b[inter + j0 + j];
+        }
+        T* dst = a.data() + (r0 + r) * inter + j0;
+        if constexpr (std::is_same_v<T, float>) {
+          kn.activate(g, glu ? u : nullptr, row_weight[r0 + r], width, act, dst);
+        } else {
+          kn.activate(g, glu ? u : nullptr, row_weight[r0 + r], width, act, tmp);
+          kn.to_bf16(tmp, width, dst);
+        }
+      }
+    }
+
+    // Phase 2: out[:, block] = sum over pairs of a W2^T + w b2 (fp32 sums).
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < down_tasks; ++task) {
+      const int64_t n0 = task * kDownBlock, width = std::min(kDownBlock, hid - n0);
+      for (int64_t t = 0; t < n_tokens; ++t) std::fill_n(sum + t * hid + n0, width, 0.0f);
+      for (int64_t e : experts) {
+        const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        const T* ae = a.data() + r0 * inter;
+        for (int64_t j = 0; j < width; j += kTile) {
+          const int cols = static_cast<int>(std::min<int64_t>(kTile, width - j));
+          int64_t ld;
+          const T* w = down.get(kn, e, n0 + j, cols, wbuf, ld);
+          dot(kn, ae, inter, rows, w, ld, cols, inter, ybuf + j, kDownBlock);
+        }
+        const float* b = bias2_p ? bias2_p + e * hid + n0 : nullptr;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = sum + row_token[r0 + r] * hid + n0;
+          const float* y = ybuf + r * kDownBlock;
+          const float rw = row_weight[r0 + r];
+          if (b) {
+            for (int64_t j = 0; j < width; ++j) dst[j] += y[j] + rw * b[j];
+          } else {
+            for (int64_t j = 0; j < width; ++j) dst[j] += y[j];
+          }
+        }
+      }
+      if (!out_f32) {
+        auto* o = static_cast<uint16_t*>(out.data_ptr());
+        for (int64_t t = 0; t < n_tokens; ++t) kn.to_bf16(sum + t * hid + n0, width, o + t * hid + n0);
+      }
+    }
+  }
+}
+
+at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
+                                 const at::Tensor& top_k_weights, const at::Tensor& w1,
+                                 const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& b1,
+                                 const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale,
+                                 const c10::optional<at::Tensor>& b2, c10::string_view activation, bool glu,
+                                 c10::string_view kernels) {
+  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const Activation act = parse_activation(std::string(activation));
+  TORCH_CHECK(hidden_states.dim() == 2, "moe_experts_infer: hidden_states must be [N, H], got ", hidden_states.sizes());
+  TORCH_CHECK(hidden_states.scalar_type() == at::kFloat || hidden_states.scalar_type() == at::kBFloat16,
+              "moe_experts_infer: hidden_states must be fp32 or bf16, got ", hidden_states.scalar_type());
+  const auto wt = w1.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "moe_experts_infer: expert weights must be "
+              "fp32, bf16 or int8 (with scales), got ", wt);
+  TORCH_CHECK(w2.scalar_type() == wt, "moe_experts_infer: w1 is ", wt, " but w2 is ", w2.scalar_type());
+  TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3 && w1.is_contiguous() && w2.is_contiguous(),
+              "moe_experts_infer: w1 [E, W, H] and w2 [E, H, I] must be contiguous 3-D tensors");
+  const int64_t n_tokens = hidden_states.size(0), hid = hidden_states.size(1), num_experts = w1.size(0);
+  const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1);
+  TORCH_CHECK(w1.size(2) == hid && w2.size(0) == num_experts && w2.size(1) == hid && w2.size(2) == inter &&
+              (!glu || w1.size(1) % 2 == 0), "moe_experts_infer: shapes do not match: hidden_states ",
+              hidden_states.sizes(), ", w1 ", w1.sizes(), ", w2 ", w2.sizes(), glu ? " (GLU)" : "");
+  check_scale(w1_scale, w1, "w1");
+  check_scale(w2_scale, w2, "w2");
+  TORCH_CHECK(!b1.has_value() || (b1->dim() == 2 && b1->size(0) == num_experts && b1->size(1) == w1.size(1)),
+              "moe_experts_infer: b1 must be [E, W]");
+  TORCH_CHECK(!b2.has_value() || (b2->dim() == 2 && b2->size(0) == num_experts && b2->size(1) == hid),
+              "moe_experts_infer: b2 must be [E, H]");
+  TORCH_CHECK(top_k_index.dim() == 2 && top_k_index.size(0) == n_tokens && top_k_weights.sizes() == top_k_index.sizes(),
+              "moe_experts_infer: top_k_index and top_k_weights must be [N, k] for N = ", n_tokens);
+
+  auto out = at::empty({n_tokens, hid}, hidden_states.options());
+  if (n_tokens == 0) return out;
+  const auto x = hidden_states.contiguous();
+  const auto ids = top_k_index.to(at::kLong).contiguous();
+  const auto weights = top_k_weights.to(at::kFloat).contiguous();
+  const int64_t top_k = ids.size(1), pairs = ids.numel();
+
+  // Group the pairs by expert (a stable counting sort on the host: N k numbers, nothing next to the GEMMs).
+  // Pairs with an id outside [0, E) are dropped: they contribute nothing.
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  std::vector<int64_t> offsets(num_experts + 1, 0);
+  for (int64_t s = 0; s < pairs; ++s)
+    if (id[s] >= 0 && id[s] < num_experts) ++offsets[id[s] + 1];
+  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1), row_token(offsets.back());
+  std::vector<float> row_weight(offsets.back());
+  for (int64_t s = 0; s < pairs; ++s) {
+    if (id[s] < 0 || id[s] >= num_experts) continue;
+    const int64_t r = next[id[s]]++;
+    row_token[r] = s / top_k;
+    row_weight[r] = wp[s];
+  }
+  if (offsets.back() == 0) return out.zero_();
+
+  const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16);
+  if (bf16) run<uint16_t>(kn, x, offsets, row_token, row_weight, w1, w1_scale, b1, w2, w2_scale, b2, act, glu, out);
+  else run<float>(kn, x, offsets, row_token, row_weight, w1, w1_scale, b1, w2, w2_scale, b2, act, glu, out);
+  return out;
+}
+
+std::string serve_isa_cpu() { return serve::serve_kernels("auto").isa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hf_moe, m) {
+  // Inference only (no autograd): hidden_states [N, H] fp32 or bf16; w1 [E, W, H], w2 [E, H, I] fp32, bf16 or
+  // int8 with fp32 scales [E, out] or [E, out, groups]; returns [N, H] in hidden_states' dtype. `kernels`:
+  // "auto" (the best for this CPU) or "portable" (tests).
+  m.def(
+      "moe_experts_infer(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, Tensor w1, "
+      "Tensor? w1_scale, Tensor? b1, Tensor w2, Tensor? w2_scale, Tensor? b2, str activation, bool glu, "
+      "str kernels=\"auto\") -> Tensor");
+  m.def("serve_isa() -> str", &serve_isa_cpu);  // the kernel set "auto" picks on this CPU
+}
+
+TORCH_LIBRARY_IMPL(hf_moe, CPU, m) { m.impl("moe_experts_infer", &moe_experts_infer_cpu); }
+
+}  // namespace hf_moe
