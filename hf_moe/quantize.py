@@ -1,0 +1,230 @@
+"""Weight-only int8 experts for inference: `quantize_experts(model, "int8")`, saved and loaded per expert.
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)          # any hf_moe model (fp32 or bf16)
+    hf_moe.quantize_experts(model, "int8")                         # experts: int8 weights + fp32 scales, in place
+    model.generate(...)                                            # CPU: the int8 kernel (csrc/cpu/serve_cpu.cpp)
+    save_quantized(model, out_dir)                                 # per expert, atomic, with checksums
+    model = load_quantized(out_dir)
+
+Only the experts are quantized (they are most of an MoE model's weights: 89% of the matrix weights of the
+quickstart's SmolLM2 8x top-2); embeddings, attention, norms and routers keep their dtype, so LoRA (PEFT) and
+training of any of them work unchanged, gradients flowing through the frozen int8 experts.
+
+On disk (same files as any hf_moe checkpoint; see hf_moe.checkpoint):
+    model-expert-{e}.safetensors    ...experts.{e}.gate_up_proj        I8  [2I, H]   (up_proj [I, H] without a gate)
+                                    ...experts.{e}.gate_up_proj_scale  F32 [2I]      ([2I, H / g] with groups of g)
+                                    ...experts.{e}.down_proj           I8  [H, I]
+                                    ...experts.{e}.down_proj_scale     F32 [H]       ([H, I / g])
+                                    (biases as usual, not quantized)
+    config.json                     "expert_quantization": {"quant_method": "int8", "bits": 8, "group_size": null,
+                                                            "symmetric": true, "scale_dtype": "float32"}
+and the index records a checksum of every file, as for every hf_moe checkpoint.
+`expert_quantization` is named after transformers' `quantization_config` (and keeps its `quant_method` key) but is
+a field of its own: transformers acts on `quantization_config` with its own quantizers, which quantize only
+nn.Linear layers, never 3-D experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .checkpoint import (
+    INDEX_NAME,
+    CheckpointError,
+    checkpoint_config,
+    checkpoint_file,
+    checksum_problems,
+    read_index,
+    read_safetensors_header,
+    recorded_checksums,
+    save_checkpoint,
+)
+from .layers import Experts
+from .layers.quantized import BIAS_NAMES, WEIGHT_NAMES, QuantizedExperts
+from .modeling import MoEForCausalLM
+
+METHODS = ("int8",)
+CONFIG_FIELD = "expert_quantization"
+
+
+def quantization_config(method: str, group_size: int | None) -> dict:
+    """The `expert_quantization` entry of config.json."""
+    return {"quant_method": method, "bits": 8, "group_size": group_size, "symmetric": True, "scale_dtype": "float32"}
+
+
+def _fused_experts(module: nn.Module) -> bool:
+    """hf_moe's `Experts`, or a transformers experts module with the same fused layout (Mixtral, Qwen3-MoE, ...)."""
+    if isinstance(module, Experts):
+        return True
+    if isinstance(module, QuantizedExperts):
+        return False
+    up = getattr(module, "gate_up_proj", None) if getattr(module, "has_gate", False) else getattr(module, "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    return (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3
+            and up.is_floating_point()
+            and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True))
+
+
+@torch.no_grad()
+def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int | None = None) -> nn.Module:
+    """Replace every MoE layer's experts of `model` by int8 ones (`QuantizedExperts`), in place; returns `model`.
+
+    Args:
+        method: "int8": weight-only, symmetric, one fp32 scale per output channel of each expert (or per group).
+        group_size: None (per output channel, the default: measured to keep the quality, see docs/serving.md), or
+            a multiple of 32 dividing the hidden and intermediate sizes, for one scale per group of that many inputs.
+    Records the choice in `model.config.expert_quantization`, which `save_quantized` writes to config.json.
+    """
+    if method not in METHODS:
+        raise ValueError(f"Unknown expert quantization {method!r}; supported: {', '.join(METHODS)}.")
+    targets = [(name, module) for name, module in model.named_modules() if _fused_experts(module)]
+    if not targets:
+        done = any(isinstance(m, QuantizedExperts) for m in model.modules())
+        raise ValueError(
+            f"{type(model).__name__} has no experts to quantize"
+            + (": they are quantized already." if done else
+               " (no hf_moe Experts module, nor a transformers experts module with fused 3-D weights). "
+               "Convert a dense model first with hf_moe.convert_to_moe.")
+        )
+    for name, module in targets:
+        if getattr(module, "ep_plan", None) is not None or isinstance(getattr(module, "down_proj"), _dtensor()):
+            raise NotImplementedError(
+                "quantize_experts does not take expert-parallel (sharded) experts: quantize the model on one "
+                "process, save it with save_quantized, and serve it from there."
+            )
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, QuantizedExperts.from_experts(module, group_size))
+        del module
+    if getattr(model, "config", None) is not None:
+        setattr(model.config, CONFIG_FIELD, quantization_config(method, group_size))
+    return model
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving and loading
+# --------------------------------------------------------------------------------------------------------------
+def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with the tensors of every `QuantizedExperts` split per expert (views):
+    `...experts.gate_up_proj` [E, 2I, H] -> `...experts.{e}.gate_up_proj` [2I, H], and so for scales and biases."""
+    names = {
+        f"{module_name}.{name}"
+        for module_name, module in model.named_modules()
+        if isinstance(module, QuantizedExperts)
+        for name, buffer in module.named_buffers(recurse=False)
+        if buffer is not None
+    }
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key in names:
+            head, _, name = key.rpartition(".")
+            out.update({f"{head}.{e}.{name}": tensor[e] for e in range(tensor.shape[0])})
+        else:
+            out[key] = tensor
+    return out
+
+
+def save_quantized(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> None:
+    """Save a model with int8 experts in the per-expert layout (module docstring), atomically and with the checksum
+    of every file in the index, through `hf_moe.checkpoint.save_checkpoint` (kwargs: `max_shard_size`, ...)."""
+    if getattr(model.config, CONFIG_FIELD, None) is None:
+        raise ValueError("This model has no int8 experts (config.expert_quantization is unset): save it with "
+                         "save_pretrained, or call hf_moe.quantize_experts(model, 'int8') first.")
+    save_checkpoint(model, save_directory, state_dict=quantized_state_dict(model), **kwargs)
+
+
+def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = True, **kwargs) -> MoEForCausalLM:
+    """Load a model saved by `save_quantized` (kwargs go to `from_pretrained`: `dtype`, `attn_implementation`, ...).
+
+    Checks the directory first: the config's `expert_quantization`, every file against the checksums recorded at
+    save time (`verify_checksums`, hashing the data; sizes and headers are always checked), and every int8
+    weight's and scale's dtype and shape. The experts are read as floating point numbers (the int8 values, exact)
+    and quantized back to int8 with the saved scales, so for a moment the model holds full-precision experts.
+    """
+    directory = os.fspath(directory)
+    config = checkpoint_config(directory)
+    settings = getattr(config, CONFIG_FIELD, None)
+    if not isinstance(settings, dict) or settings.get("quant_method") not in METHODS:
+        raise CheckpointError(
+            f"{directory}/config.json has no valid `{CONFIG_FIELD}` (got {settings!r}): it holds no int8 experts. "
+            "Load it with MoEForCausalLM.from_pretrained."
+        )
+    group_size = settings.get("group_size")
+    weight_map, metadata = read_index(directory)
+    checksums = recorded_checksums(metadata)
+    if verify_checksums:
+        if checksums is None:
+            raise CheckpointError(f"{directory} records no checksums; load it with verify_checksums=False.")
+        problems = checksum_problems(directory, checksums)
+        if problems:
+            raise CheckpointError(f"{directory} is corrupt: " + "; ".join(problems[:8]) + ". Save the model again.")
+    scales = _check_quantized_tensors(directory, config, weight_map, group_size)
+    model = MoEForCausalLM.from_pretrained(directory, _validated=True, verify_checksums=False, **kwargs)
+    with torch.no_grad():
+        for module_name, experts in list(model.named_modules()):
+            if not isinstance(experts, Experts):
+                continue
+            quantized = QuantizedExperts(
+                experts.num_experts, experts.hidden_dim, experts.intermediate_dim, experts.has_gate, experts.has_bias,
+                experts.activation, group_size, bias_dtype=experts.down_proj.dtype,
+            )
+            for name, tensor in experts.named_parameters(recurse=False):
+                if name in WEIGHT_NAMES:
+                    getattr(quantized, name).copy_(tensor.round().to(torch.int8))
+                    getattr(quantized, f"{name}_scale").copy_(torch.stack(
+                        [scales[f"{module_name}.{e}.{name}_scale"] for e in range(experts.num_experts)]))
+                elif name in BIAS_NAMES:
+                    getattr(quantized, name).copy_(tensor)
+            parent, _, attr = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, quantized)
+    return model
+
+
+def _check_quantized_tensors(directory: str, config, weight_map: dict[str, str], group_size) -> dict[str, torch.Tensor]:
+    """Check the dtype and shape of every int8 weight and scale the config calls for; {scale key: scale tensor}."""
+    h, i = config.hidden_size, config.moe_intermediate_size
+    up = "gate_up_proj" if config.expert_glu else "up_proj"
+    shapes = {up: (2 * i if config.expert_glu else i, h), "down_proj": (h, i)}
+    expected = {}
+    for layer in config.moe_layers:
+        prefix = f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts"
+        for e in range(config.num_experts):
+            for name, (rows, k) in shapes.items():
+                expected[f"{prefix}.{e}.{name}"] = ("I8", [rows, k])
+                expected[f"{prefix}.{e}.{name}_scale"] = ("F32", [rows] if group_size is None else [rows, k // group_size])
+    missing = [key for key in expected if key not in weight_map]
+    if missing:
+        raise CheckpointError(f"{directory} lacks {len(missing)} int8 expert tensor(s), e.g. {missing[0]}: the save "
+                              "was incomplete. Save the model again.")
+    scales, headers = {}, {}
+    for key, (dtype, shape) in expected.items():
+        filename = weight_map[key]
+        if filename not in headers:
+            headers[filename] = read_safetensors_header(checkpoint_file(directory, filename, INDEX_NAME))
+        meta = headers[filename][key]
+        if meta["dtype"] != dtype or meta["shape"] != shape:
+            raise CheckpointError(
+                f"{filename} stores {key} as {meta['dtype']} {meta['shape']}, but config.json's {CONFIG_FIELD} "
+                f"makes it {dtype} {shape}. Restore the file, or save the model again."
+            )
+    by_file: dict[str, list[str]] = {}
+    for key in expected:
+        if key.endswith("_scale"):
+            by_file.setdefault(weight_map[key], []).append(key)
+    for filename, keys in by_file.items():
+        with safe_open(checkpoint_file(directory, filename, INDEX_NAME), framework="pt") as f:
+            for key in keys:
+                scale = f.get_tensor(key)
+                if not torch.isfinite(scale).all() or (scale < 0).any():
+                    raise CheckpointError(f"{filename} is corrupt: {key} holds negative or non-finite scales.")
+                scales[key] = scale
+    return scales

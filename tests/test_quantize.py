@@ -1,0 +1,206 @@
+"""Weight-only int8 experts: the format (hf_moe/ops/int8.py), `QuantizedExperts` against dequantize-then-matmul,
+`quantize_experts` on whole models, gradients and LoRA through frozen int8 experts, and saving / loading per expert
+with checksums."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_ids, tiny_dense
+
+import hf_moe
+from hf_moe.checkpoint import CheckpointError, read_safetensors_header
+from hf_moe.layers.quantized import QuantizedExperts
+from hf_moe.ops import experts_forward, use_backend
+from hf_moe.ops.int8 import dequantize_int8, group_size_of, quantize_int8
+from hf_moe.quantize import CONFIG_FIELD, load_quantized, quantize_experts, save_quantized
+from test_ops import _Experts, _routing
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The format
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group_size", [None, 32, 64])
+def test_quantize_int8_rounds_to_the_nearest_step(group_size):
+    w = torch.randn(3, 40, 128) * torch.rand(3, 40, 1) * 4
+    w[0, 5] = 0.0  # a channel of zeros
+    q, scale = quantize_int8(w, group_size)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape
+    assert scale.shape == ((3, 40) if group_size is None else (3, 40, 128 // group_size))
+    assert group_size_of(q, scale) == group_size
+    assert q.abs().max() == 127 and torch.equal(q[0, 5], torch.zeros(128, dtype=torch.int8))
+    step = scale.unsqueeze(-1) if group_size is None else scale.repeat_interleave(group_size, -1)
+    error = (dequantize_int8(q, scale) - w).abs()
+    assert (error <= step / 2 * (1 + 1e-6) + 1e-12).all()
+
+
+def test_quantize_int8_rejects_bad_groups():
+    with pytest.raises(ValueError, match="multiple of 32 that divides 96"):
+        quantize_int8(torch.randn(4, 96), 64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int8(torch.randn(4, 96), 48)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QuantizedExperts against dequantize-then-matmul
+# ----------------------------------------------------------------------------------------------------------------
+def _dequantized_copy(quantized: QuantizedExperts, dtype) -> _Experts:
+    """A plain experts module holding the dequantized weights: the oracle of `QuantizedExperts`."""
+    plain = _Experts(quantized.num_experts, quantized.hidden_dim, quantized.intermediate_dim, quantized.has_gate,
+                     quantized.has_bias, quantized.activation, dtype=dtype)
+    with torch.no_grad():
+        for name, weight in quantized.dequantized(dtype).items():
+            getattr(plain, name).copy_(weight)
+        for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):
+            if getattr(plain, name) is not None:
+                getattr(plain, name).copy_(getattr(quantized, name))
+    return plain.requires_grad_(False)
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("glu,bias,group_size", [(True, False, None), (False, True, None), (True, True, 32)])
+def test_quantized_experts_equal_dequantize_then_matmul(glu, bias, group_size, dtype, backend):
+    source = _Experts(4, 64, 96, glu=glu, bias=bias, dtype=torch.float32)
+    quantized = QuantizedExperts.from_experts(source, group_size).to(dtype)
+    oracle = _dequantized_copy(quantized, dtype).double()  # the weights the kernel multiplies, in fp64
+    index, weights = _routing(13, 2, 4, "dropped")
+    x = torch.randn(13, 64, dtype=dtype)
+    with use_backend(backend), torch.no_grad():
+        got = quantized(x, index, weights.to(dtype))
+        want = experts_forward(oracle, x.double(), index, weights)
+    # bf16: the kernel rounds the activations between the two products, and the output, to bf16
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_scales_stay_fp32_and_weights_int8_through_model_to():
+    quantized = QuantizedExperts.from_experts(_Experts(2, 32, 32, dtype=torch.float32))
+    scale = quantized.gate_up_proj_scale.clone()
+    quantized.to(torch.bfloat16)
+    assert quantized.gate_up_proj.dtype == torch.int8 and quantized.gate_up_proj_scale.dtype == torch.float32
+    assert torch.equal(quantized.gate_up_proj_scale, scale)
+    quantized.half().float()
+    assert torch.equal(quantized.gate_up_proj_scale, scale) and quantized.down_proj_scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["compiled", "torch"])
+def test_gradients_flow_through_frozen_int8_experts(backend):
+    """The inputs and routing weights get the gradients of the dequantized model; the int8 weights get none."""
+    quantized = QuantizedExperts.from_experts(_Experts(4, 32, 48, glu=True, bias=True, dtype=torch.float32))
+    oracle = _dequantized_copy(quantized, torch.float32)
+    index, weights = _routing(9, 2, 4, "random")
+    x = torch.randn(9, 32)
+    grads = []
+    for module in (quantized, oracle):
+        xi, wi = x.clone().requires_grad_(True), weights.float().clone().requires_grad_(True)
+        with use_backend(backend):
+            out = module(xi, index, wi) if module is quantized else experts_forward(module, xi, index, wi)
+        out.square().sum().backward()
+        grads.append((out.detach(), xi.grad, wi.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not list(quantized.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Whole models
+# ----------------------------------------------------------------------------------------------------------------
+def _quantized(model):
+    return [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+
+
+def _moe(seed=0, **kwargs):
+    dense = tiny_dense("llama", seed=seed)
+    return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, **kwargs).eval()
+
+
+def test_quantize_experts_keeps_the_logits_close():
+    model = _moe()
+    ids = random_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+    quantize_experts(model, "int8")
+    assert len(_quantized(model)) == 3 and not any(isinstance(m, hf_moe.Experts) for m in model.modules())
+    assert getattr(model.config, CONFIG_FIELD)["quant_method"] == "int8"
+    with torch.no_grad():
+        got = model(ids).logits
+        again = model.to(torch.bfloat16)(ids).logits
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert (again.float() - want).abs().max() < 0.05 * want.abs().max()
+    out = model.generate(ids[:1, :4], max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_experts(model, "int8")
+    with pytest.raises(ValueError, match="Unknown expert quantization"):
+        quantize_experts(_moe(), "int4")
+
+
+def test_lora_on_attention_trains_through_int8_experts():
+    """PEFT LoRA on the attention of a model with int8 experts: the adapters get the gradients they get in the
+    same model with the dequantized experts, and the experts stay as they were."""
+    peft = pytest.importorskip("peft")
+    quantized = quantize_experts(_moe(), "int8")
+    reference = _moe()
+    with torch.no_grad():  # the reference holds the dequantized weights as frozen fp32 experts
+        plain = [m for m in reference.modules() if isinstance(m, hf_moe.Experts)]
+        for experts, qexperts in zip(plain, _quantized(quantized), strict=True):
+            for name, weight in qexperts.dequantized(torch.float32).items():
+                getattr(experts, name).copy_(weight)
+            experts.requires_grad_(False)
+    ids = random_ids()
+    grads = []
+    for model in (quantized, reference):
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        torch.manual_seed(1)  # the same (random, nonzero) adapters in both
+        lora = peft.get_peft_model(model, config)
+        lora.train()
+        loss = lora(ids, labels=ids).loss
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in lora.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Saved and loaded per expert, with checksums
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_save_and_load_per_expert(tmp_path, group_size):
+    model = quantize_experts(_moe(), "int8", group_size=group_size)
+    ids = random_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+    save_quantized(model, tmp_path / "q")
+    index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.mlp.experts.3.gate_up_proj"
+    assert index["weight_map"][key] == index["weight_map"][key + "_scale"] == "model-expert-00003.safetensors"
+    header = read_safetensors_header(tmp_path / "q" / "model-expert-00003.safetensors")
+    assert header[key]["dtype"] == "I8" and header[key + "_scale"]["dtype"] == "F32"
+    assert header[key + "_scale"]["shape"] == ([192] if group_size is None else [192, 2])
+    assert "model-expert-00003.safetensors" in index["metadata"]["checksums"]["files"]
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config[CONFIG_FIELD] == {"quant_method": "int8", "bits": 8, "group_size": group_size, "symmetric": True,
+                                    "scale_dtype": "float32"}
+    loaded = load_quantized(tmp_path / "q").eval()
+    assert len(_quantized(loaded)) == 3 and not any(isinstance(m, hf_moe.Experts) for m in loaded.modules())
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+
+def test_load_detects_a_corrupt_expert_file(tmp_path):
+    save_quantized(quantize_experts(_moe(), "int8"), tmp_path / "q")
+    path = tmp_path / "q" / "model-expert-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # one bit of one int8 weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model-expert-00002"):
+        load_quantized(tmp_path / "q")
+
+
+def test_save_refuses_an_unquantized_model(tmp_path):
+    with pytest.raises(ValueError, match="quantize_experts"):
+        save_quantized(_moe(), tmp_path / "q")
