@@ -38,14 +38,16 @@ from .checkpoint import (
     checkpoint_config,
     checkpoint_file,
     checksum_problems,
+    local_expert_view,
     read_index,
     read_safetensors_header,
     recorded_checksums,
     save_checkpoint,
 )
 from .layers import Experts
-from .layers.quantized import BIAS_NAMES, WEIGHT_NAMES, QuantizedExperts
-from .modeling import MoEForCausalLM
+from .layers.quantized import QuantizedExperts
+from .modeling import MoEForCausalLM, moe_model_class_for_config
+from .routing import moe_blocks
 
 METHODS = ("int8",)
 CONFIG_FIELD = "expert_quantization"
@@ -146,9 +148,10 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
     """Load a model saved by `save_quantized` (kwargs go to `from_pretrained`: `dtype`, `attn_implementation`, ...).
 
     Checks the directory first: the config's `expert_quantization`, every file against the checksums recorded at
-    save time (`verify_checksums`, hashing the data; sizes and headers are always checked), and every int8
-    weight's and scale's dtype and shape. The experts are read as floating point numbers (the int8 values, exact)
-    and quantized back to int8 with the saved scales, so for a moment the model holds full-precision experts.
+    save time (`verify_checksums` hashes the data too; sizes and headers are always checked), and the dtype and
+    shape of every int8 weight and scale. The non-expert weights load through transformers (from a view of the
+    directory without the expert files), into a model whose experts are placeholders, so no full-precision expert
+    is ever allocated; the int8 experts are then read from their files.
     """
     directory = os.fspath(directory)
     config = checkpoint_config(directory)
@@ -161,70 +164,102 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
     group_size = settings.get("group_size")
     weight_map, metadata = read_index(directory)
     checksums = recorded_checksums(metadata)
-    if verify_checksums:
-        if checksums is None:
-            raise CheckpointError(f"{directory} records no checksums; load it with verify_checksums=False.")
-        problems = checksum_problems(directory, checksums)
-        if problems:
-            raise CheckpointError(f"{directory} is corrupt: " + "; ".join(problems[:8]) + ". Save the model again.")
-    scales = _check_quantized_tensors(directory, config, weight_map, group_size)
-    model = MoEForCausalLM.from_pretrained(directory, _validated=True, verify_checksums=False, **kwargs)
-    with torch.no_grad():
-        for module_name, experts in list(model.named_modules()):
-            if not isinstance(experts, Experts):
-                continue
-            quantized = QuantizedExperts(
-                experts.num_experts, experts.hidden_dim, experts.intermediate_dim, experts.has_gate, experts.has_bias,
-                experts.activation, group_size, bias_dtype=experts.down_proj.dtype,
-            )
-            for name, tensor in experts.named_parameters(recurse=False):
-                if name in WEIGHT_NAMES:
-                    getattr(quantized, name).copy_(tensor.round().to(torch.int8))
-                    getattr(quantized, f"{name}_scale").copy_(torch.stack(
-                        [scales[f"{module_name}.{e}.{name}_scale"] for e in range(experts.num_experts)]))
-                elif name in BIAS_NAMES:
-                    getattr(quantized, name).copy_(tensor)
-            parent, _, attr = module_name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, quantized)
+    if checksums is None and verify_checksums:
+        raise CheckpointError(f"{directory} records no checksums; load it with verify_checksums=False.")
+    problems = checksum_problems(directory, checksums) if verify_checksums else []
+    if problems:
+        raise CheckpointError(f"{directory} is corrupt: " + "; ".join(problems[:8]) + ". Save the model again.")
+    expected = _expected_quantized_tensors(directory, config, weight_map, group_size)
+    model_class = moe_model_class_for_config(config)
+    with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
+        model = _with_placeholder_experts(model_class).from_pretrained(view, config=config, _validated=True, **kwargs)
+    model.__class__ = model_class
+    model.config.name_or_path = directory
+    _read_experts(directory, model, config, weight_map, expected, group_size)
     return model
 
 
-def _check_quantized_tensors(directory: str, config, weight_map: dict[str, str], group_size) -> dict[str, torch.Tensor]:
-    """Check the dtype and shape of every int8 weight and scale the config calls for; {scale key: scale tensor}."""
+def _expected_quantized_tensors(directory: str, config, weight_map: dict[str, str], group_size) -> dict[str, tuple]:
+    """{on-disk key: (safetensors dtype, shape)} of every expert tensor the config calls for, after checking each
+    against the file's header."""
     h, i = config.hidden_size, config.moe_intermediate_size
     up = "gate_up_proj" if config.expert_glu else "up_proj"
-    shapes = {up: (2 * i if config.expert_glu else i, h), "down_proj": (h, i)}
+    rows = {up: 2 * i if config.expert_glu else i, "down_proj": h}
+    inputs = {up: h, "down_proj": i}
     expected = {}
     for layer in config.moe_layers:
         prefix = f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts"
         for e in range(config.num_experts):
-            for name, (rows, k) in shapes.items():
-                expected[f"{prefix}.{e}.{name}"] = ("I8", [rows, k])
-                expected[f"{prefix}.{e}.{name}_scale"] = ("F32", [rows] if group_size is None else [rows, k // group_size])
+            for name in (up, "down_proj"):
+                scale = [rows[name]] if group_size is None else [rows[name], inputs[name] // group_size]
+                expected[f"{prefix}.{e}.{name}"] = ("I8", [rows[name], inputs[name]])
+                expected[f"{prefix}.{e}.{name}_scale"] = ("F32", scale)
+                if config.expert_bias:
+                    expected[f"{prefix}.{e}.{name}_bias"] = (None, [rows[name]])
     missing = [key for key in expected if key not in weight_map]
     if missing:
         raise CheckpointError(f"{directory} lacks {len(missing)} int8 expert tensor(s), e.g. {missing[0]}: the save "
                               "was incomplete. Save the model again.")
-    scales, headers = {}, {}
+    headers = {}
     for key, (dtype, shape) in expected.items():
         filename = weight_map[key]
         if filename not in headers:
             headers[filename] = read_safetensors_header(checkpoint_file(directory, filename, INDEX_NAME))
         meta = headers[filename][key]
-        if meta["dtype"] != dtype or meta["shape"] != shape:
+        floating = meta["dtype"] in ("F32", "F16", "BF16", "F64")
+        if (meta["dtype"] != dtype if dtype else not floating) or meta["shape"] != shape:
             raise CheckpointError(
                 f"{filename} stores {key} as {meta['dtype']} {meta['shape']}, but config.json's {CONFIG_FIELD} "
-                f"makes it {dtype} {shape}. Restore the file, or save the model again."
+                f"makes it {dtype or 'floating point'} {shape}. Restore the file, or save the model again."
             )
+    return expected
+
+
+class _PlaceholderExperts(nn.Module):
+    """Holds a layer's place while the rest of the model loads: no tensors, so transformers expects none."""
+
+
+_SKELETONS: dict[type, type] = {}
+
+
+def _with_placeholder_experts(model_class: type) -> type:
+    """A subclass of `model_class` whose instances swap each MoE block's experts for a placeholder as soon as they
+    are built (on the meta device, inside from_pretrained): no expert weight is allocated or expected."""
+    if model_class not in _SKELETONS:
+
+        def __init__(self, config, *args, **kwargs):
+            model_class.__init__(self, config, *args, **kwargs)
+            for block in moe_blocks(self):
+                block.experts = _PlaceholderExperts()
+
+        _SKELETONS[model_class] = type(model_class.__name__, (model_class,), {
+            "__init__": __init__, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__})
+    return _SKELETONS[model_class]
+
+
+@torch.no_grad()
+def _read_experts(directory: str, model, config, weight_map: dict[str, str], expected: dict, group_size) -> None:
+    """Build each MoE block's `QuantizedExperts` from the expert files (checked by `_expected_quantized_tensors`)."""
+    blocks = moe_blocks(model)
+    dtype = next(model.parameters()).dtype
+    prefixes = [f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers]
+    quantized = [
+        QuantizedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.expert_glu,
+                         config.expert_bias, config.expert_hidden_act, group_size, bias_dtype=dtype)
+        for _ in blocks
+    ]
     by_file: dict[str, list[str]] = {}
     for key in expected:
-        if key.endswith("_scale"):
-            by_file.setdefault(weight_map[key], []).append(key)
+        by_file.setdefault(weight_map[key], []).append(key)
+    layer_of = {prefix: i for i, prefix in enumerate(prefixes)}
     for filename, keys in by_file.items():
         with safe_open(checkpoint_file(directory, filename, INDEX_NAME), framework="pt") as f:
             for key in keys:
-                scale = f.get_tensor(key)
-                if not torch.isfinite(scale).all() or (scale < 0).any():
+                prefix, expert, name = key.rsplit(".", 2)
+                tensor = f.get_tensor(key)
+                if name.endswith("_scale") and not (torch.isfinite(tensor).all() and (tensor >= 0).all()):
                     raise CheckpointError(f"{filename} is corrupt: {key} holds negative or non-finite scales.")
-                scales[key] = scale
-    return scales
+                getattr(quantized[layer_of[prefix]], name)[int(expert)].copy_(tensor)
+    device = next(model.parameters()).device
+    for block, experts in zip(blocks, quantized, strict=True):
+        block.experts = experts.to(device)

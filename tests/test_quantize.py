@@ -112,8 +112,8 @@ def _quantized(model):
     return [m for m in model.modules() if isinstance(m, QuantizedExperts)]
 
 
-def _moe(seed=0, **kwargs):
-    dense = tiny_dense("llama", seed=seed)
+def _moe(seed=0, family="llama", **kwargs):
+    dense = tiny_dense(family, seed=seed)
     return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, **kwargs).eval()
 
 
@@ -168,19 +168,25 @@ def test_lora_on_attention_trains_through_int8_experts():
 # ----------------------------------------------------------------------------------------------------------------
 # Saved and loaded per expert, with checksums
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("group_size", [None, 32])
-def test_save_and_load_per_expert(tmp_path, group_size):
-    model = quantize_experts(_moe(), "int8", group_size=group_size)
+@pytest.mark.parametrize("family,group_size", [("llama", None), ("llama", 32), ("gpt2", None)])
+def test_save_and_load_per_expert(tmp_path, family, group_size):
+    """Per-expert files hold each expert's int8 weights and fp32 scales (and float biases: GPT-2's experts have
+    them), with checksums; the loaded model computes the same logits, in fp32 and (non-experts) in bf16."""
+    model = quantize_experts(_moe(family=family), "int8", group_size=group_size)
     ids = random_ids()
     with torch.no_grad():
         want = model(ids).logits
     save_quantized(model, tmp_path / "q")
     index = json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())
-    key = "model.layers.1.mlp.experts.3.gate_up_proj"
+    layer = next(k for k in index["weight_map"] if ".experts.3." in k).split(".experts.")[0]
+    up = "gate_up_proj" if family == "llama" else "up_proj"
+    key = f"{layer}.experts.3.{up}"
     assert index["weight_map"][key] == index["weight_map"][key + "_scale"] == "model-expert-00003.safetensors"
     header = read_safetensors_header(tmp_path / "q" / "model-expert-00003.safetensors")
+    rows = header[key]["shape"][0]
     assert header[key]["dtype"] == "I8" and header[key + "_scale"]["dtype"] == "F32"
-    assert header[key + "_scale"]["shape"] == ([192] if group_size is None else [192, 2])
+    assert header[key + "_scale"]["shape"] == ([rows] if group_size is None else [rows, 64 // group_size])
+    assert (f"{layer}.experts.3.down_proj_bias" in header) == (family == "gpt2")
     assert "model-expert-00003.safetensors" in index["metadata"]["checksums"]["files"]
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     assert config[CONFIG_FIELD] == {"quant_method": "int8", "bits": 8, "group_size": group_size, "symmetric": True,
@@ -189,6 +195,11 @@ def test_save_and_load_per_expert(tmp_path, group_size):
     assert len(_quantized(loaded)) == 3 and not any(isinstance(m, hf_moe.Experts) for m in loaded.modules())
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
+    half = load_quantized(tmp_path / "q", dtype=torch.bfloat16).eval()
+    experts = _quantized(half)[0]
+    assert experts.down_proj_scale.dtype == torch.float32 and experts.down_proj.dtype == torch.int8
+    with torch.no_grad():
+        assert (half(ids).logits.float() - want).abs().max() < 0.05 * want.abs().max()
 
 
 def test_load_detects_a_corrupt_expert_file(tmp_path):
