@@ -45,12 +45,11 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .layers import Experts
-from .layers.quantized import QuantizedExperts
+from .layers.quantized import CONFIG_FIELD, QuantizedExperts
 from .modeling import MoEForCausalLM, moe_model_class_for_config
 from .routing import moe_blocks
 
 METHODS = ("int8",)
-CONFIG_FIELD = "expert_quantization"
 
 
 def quantization_config(method: str, group_size: int | None) -> dict:

@@ -215,3 +215,35 @@ def test_load_detects_a_corrupt_expert_file(tmp_path):
 def test_save_refuses_an_unquantized_model(tmp_path):
     with pytest.raises(ValueError, match="quantize_experts"):
         save_quantized(_moe(), tmp_path / "q")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offloaded int8 experts
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["disk", "cpu"])
+def test_offloaded_int8_experts_generate_like_resident_ones(tmp_path, mode):
+    """A saved int8 model loads with offload_experts: the cache holds int8 experts (a quarter of the fp32 bytes
+    per expert, plus the scales), reads only those, and generates the tokens and logits of the resident int8 model."""
+    from hf_moe.offload import expert_cache
+
+    model = quantize_experts(_moe(), "int8")
+    save_quantized(model, tmp_path / "q")
+    ids = random_ids(2, 8)
+
+    def greedy(m):
+        with torch.no_grad():
+            return m.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                              pad_token_id=0, eos_token_id=None)
+
+    want = greedy(model)
+    fp32_bytes = (192 * 64 + 64 * 96) * 4  # one tiny expert: gate_up [192, 64] + down [64, 96]
+    int8_bytes = (192 * 64 + 64 * 96) + (192 + 64) * 4
+    offloaded = hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "q", offload_experts=mode,
+                                                      max_expert_memory=3 * int8_bytes)
+    cache = expert_cache(offloaded)
+    assert cache.layout.expert_bytes(torch.float32) == int8_bytes < fp32_bytes / 3.5
+    assert cache.num_slots == 3 and cache.pool["gate_up_proj"].dtype == torch.int8
+    got = greedy(offloaded)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    assert cache.stats.bytes_read == int8_bytes * (cache.stats.demand_fetches + cache.stats.prefetches) > 0

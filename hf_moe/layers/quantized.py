@@ -11,6 +11,8 @@ from ..ops.activations import activation_key
 from ..ops.infer import experts_infer
 from ..ops.int8 import dequantize_int8, quantize_int8
 
+# config.json's field naming the experts' quantization (written by hf_moe.quantize; read by offload too).
+CONFIG_FIELD = "expert_quantization"
 # The experts' tensors with an expert dimension first, in the order of `Experts` (biases stay floating point).
 WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 BIAS_NAMES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
