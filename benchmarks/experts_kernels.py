@@ -18,9 +18,12 @@ Contestants, one MoE layer call each (the experts only: no router, no attention)
   ours int8/fp32  moe_experts_infer on int8 weights, fp32 activations
   ours portable   moe_experts_infer's portable C++ kernels, bf16 (what CPUs without AVX-512 BF16 run), 1-4 tokens
 
-Printed per token count: milliseconds per pass over the 30 layers (median [20th-80th percentile] of the repeats),
-the ratio of torch fp32's time to each (higher is faster; per repeat, then the median), and the rate: GB/s of
-expert weights read for decode sizes, GFLOP/s for prefill sizes.
+Every repeat calls each contestant once per layer, back to back (call i of every contestant ran within a few
+milliseconds of the others, in an order that rotates; each on another layer, so none finds weights another just
+read in the caches). Printed per token count and thread count: milliseconds per layer call (median [20th-80th
+percentile], and the minimum: on a shared machine the least disturbed call), the ratio of torch fp32's time to
+each contestant's in the same repeat and step (higher is faster; median [p20-p80] of the pairs), and the rate:
+GB/s of expert weights read for decode sizes, GFLOP/s for prefill sizes.
 """
 
 from __future__ import annotations
@@ -69,23 +72,22 @@ CONTESTANTS = {
 BASELINE = "torch fp32"
 
 
-def pass_fn(layers, kind, dtype, impl, tokens, hidden, experts, top_k, seed):
-    """One pass over the layers for `tokens` tokens (a fresh routing per layer, fixed by the seed)."""
+def calls(layers, kind, dtype, impl, tokens, hidden, experts, top_k, seed):
+    """call(l): one layer call on layer l's weights for `tokens` tokens (a fixed random routing per layer)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     routes = [torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]) for _ in layers]
     weights = torch.rand(tokens, top_k, generator=g)
     ops = torch.ops.hf_moe
 
-    def run():
-        for layer, index in zip(layers, routes):
-            w1, s1, w2, s2 = layer[kind]
-            if impl == "fused":
-                ops.moe_experts_forward(x, index, weights.to(dtype), w1, None, w2, None, "silu", True, False)
-            else:
-                ops.moe_experts_infer(x, index, weights, w1, s1, None, w2, s2, None, "silu", True, impl)
+    def call(l: int) -> None:
+        w1, s1, w2, s2 = layers[l][kind]
+        if impl == "fused":
+            ops.moe_experts_forward(x, routes[l], weights.to(dtype), w1, None, w2, None, "silu", True, False)
+        else:
+            ops.moe_experts_infer(x, routes[l], weights, w1, s1, None, w2, s2, None, "silu", True, impl)
 
-    return run
+    return call
 
 
 def active_bytes(layer: dict, kind: str, tokens: int, experts: int, top_k: int) -> float:
@@ -95,11 +97,32 @@ def active_bytes(layer: dict, kind: str, tokens: int, experts: int, top_k: int) 
     return per_expert * experts * (1 - untouched)
 
 
+def measure(layers, names, tokens, repeats, hidden, experts, top_k) -> dict[str, list[float]]:
+    """{contestant: [ms of each layer call]}, paired: call i of every contestant ran back to back (in an order that
+    rotates), each on another layer, so no contestant finds weights another just read in the CPU caches."""
+    n = len(layers)
+    run = {c: calls(layers, *CONTESTANTS[c], tokens, hidden, experts, top_k, seed=tokens) for c in names}
+    times = {c: [] for c in names}
+    with torch.inference_mode():
+        for c in names:  # warm-up: first-call allocations, thread pools
+            run[c](0)
+        for rep in range(repeats):
+            for step in range(n):
+                order = names[rep % len(names):] + names[: rep % len(names)]
+                for c in order:
+                    layer = (step + 7 * names.index(c)) % n
+                    start = time.perf_counter()
+                    run[c](layer)
+                    times[c].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 128, 512])
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=9, help="passes over the layers")
     p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 repeats: that the script runs")
     args = p.parse_args()
     hidden, inter, experts, top_k, layers_n = HIDDEN, INTER, EXPERTS, TOP_K, args.layers
@@ -108,34 +131,29 @@ def main() -> None:
     module, status = load_extension()
     if module is None:
         sys.exit(f"the compiled extension is unavailable ({status.how}); nothing to measure")
-    isa = torch.ops.hf_moe.serve_isa()
     print(f"experts kernels: hidden {hidden}, intermediate {inter}, {experts} experts, top-{top_k}, {layers_n} layers; "
-          f"{torch.get_num_threads()} threads; kernels: {isa}; torch {torch.__version__}")
+          f"kernels: {torch.ops.hf_moe.serve_isa()}; torch {torch.__version__}; load average "
+          f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
     layers = build_layers(layers_n, hidden, inter, experts)
-    for tokens in args.tokens:
-        names = [n for n in CONTESTANTS if not (CONTESTANTS[n][2] == "portable" and tokens > 4)]
-        runs = {n: pass_fn(layers, *CONTESTANTS[n], tokens, hidden, experts, top_k, seed=tokens) for n in names}
-        times = {n: [] for n in names}
-        with torch.inference_mode():
-            for n in names:  # warm-up: first-call allocations, thread pools
-                runs[n]()
-            for _ in range(args.repeats):
-                for n in names:  # interleaved: load on the machine hits every contestant alike
-                    start = time.perf_counter()
-                    runs[n]()
-                    times[n].append((time.perf_counter() - start) * 1e3)
-        print(f"\n{tokens} token(s) per layer call ({'decode' if tokens <= 4 else 'prefill'}), ms per pass over "
-              f"{layers_n} layers, median [p20-p80] of {args.repeats}")
-        print(f"{'contestant':<16} {'ms / pass':>24} {'vs ' + BASELINE:>16} {'rate':>14}")
-        for n in names:
-            ratio = statistics.median(b / t for b, t in zip(times[BASELINE], times[n]))
-            ms = statistics.median(times[n])
-            kind = CONTESTANTS[n][0]
-            if tokens <= 4:
-                rate = f"{active_bytes(layers[0], kind, tokens, experts, top_k) * layers_n / ms / 1e6:.1f} GB/s"
-            else:
-                rate = f"{2 * 3 * hidden * inter * tokens * top_k * layers_n / ms / 1e6:.0f} GFLOP/s"
-            print(f"{n:<16} {cell(times[n], 2):>24} {ratio:>15.2f}x {rate:>14}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for tokens in args.tokens:
+            names = [n for n in CONTESTANTS if not (CONTESTANTS[n][2] == "portable" and tokens > 4)]
+            times = measure(layers, names, tokens, args.repeats, hidden, experts, top_k)
+            calls_n = len(times[BASELINE])
+            print(f"\n{tokens} token(s) per layer call ({'decode' if tokens <= 4 else 'prefill'}), {threads} thread(s): "
+                  f"ms per layer call, median [p20-p80] and min of {calls_n} calls; ratio {BASELINE} time / "
+                  "time of the call that ran beside it, median [p20-p80]")
+            print(f"{'contestant':<16} {'ms / layer':>22} {'min':>7} {'vs ' + BASELINE:>22} {'rate (median)':>15}")
+            for n in names:
+                ratios = [b / t for b, t in zip(times[BASELINE], times[n])]
+                ms = statistics.median(times[n])
+                kind = CONTESTANTS[n][0]
+                if tokens <= 4:
+                    rate = f"{active_bytes(layers[0], kind, tokens, experts, top_k) / ms / 1e6:.1f} GB/s"
+                else:
+                    rate = f"{2 * 3 * hidden * inter * tokens * top_k / ms / 1e6:.0f} GFLOP/s"
+                print(f"{n:<16} {cell(times[n], 3):>22} {min(times[n]):>7.3f} {cell(ratios, 2):>22} {rate:>15}")
 
 
 if __name__ == "__main__":

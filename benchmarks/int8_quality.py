@@ -65,9 +65,9 @@ def prepare_model(workdir: Path) -> Path:
             (workdir / "gguf").mkdir(parents=True, exist_ok=True)
             shutil.copy(cached, workdir / "gguf" / GGUF_NAME)
         export_gguf(fetch_gguf(str(workdir)), str(dense_dir))
-    hf_moe_cli = shutil.which("hf-moe") or "hf-moe"
-    subprocess.run([hf_moe_cli, "convert", str(dense_dir), str(moe_dir), "--num-experts", "8", "--top-k", "2"],
-                   check=True)
+    # `hf-moe convert`, through this interpreter (its bin/ need not be on PATH)
+    subprocess.run([sys.executable, "-m", "hf_moe_cli", "convert", str(dense_dir), str(moe_dir), "--num-experts", "8",
+                    "--top-k", "2"], check=True, cwd=HERE.parent)
     return moe_dir
 
 

@@ -147,6 +147,26 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                               std::max(up_tasks, down_tasks))));
 
+  auto gather = [&](int64_t r) {  // row r of xs: the pair's token row of x, in the compute type
+    const int64_t t = row_token[r];
+    T* dst = xs.data() + r * hid;
+    if (std::is_same_v<T, float> && x_t == at::kFloat) {
+      std::memcpy(dst, static_cast<const float*>(x_p) + t * hid, hid * sizeof(float));
+    } else if (!std::is_same_v<T, float> && x_t == at::kBFloat16) {
+      std::memcpy(dst, static_cast<const at::BFloat16*>(x_p) + t * hid, hid * sizeof(uint16_t));
+    } else {
+      for (int64_t c = 0; c < hid; ++c) {
+        const float v = load_float(x_p, x_t, t * hid + c);
+        if constexpr (std::is_same_v<T, float>) dst[c] = v;
+        else kn.to_bf16(&v, 1, dst + c);
+      }
+    }
+  };
+  // Decode-sized batches gather on this thread: one barrier fewer, where a barrier costs as much as the copy.
+  const bool serial_gather = m * hid <= (1 << 16);
+  if (serial_gather)
+    for (int64_t r = 0; r < m; ++r) gather(r);
+
 #pragma omp parallel num_threads(threads)
   {
     // Scratch: two blocks of dequantized weight rows (int8), the gate and up sums of phase 1, one row of
@@ -159,21 +179,9 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
     float* tmp = upv + kUpBlock * most;
     float* ybuf = tmp + kUpBlock;
 
+    if (!serial_gather) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
-      const int64_t t = row_token[r];
-      T* dst = xs.data() + r * hid;
-      if (std::is_same_v<T, float> && x_t == at::kFloat) {
-        std::memcpy(dst, static_cast<const float*>(x_p) + t * hid, hid * sizeof(float));
-      } else if (!std::is_same_v<T, float> && x_t == at::kBFloat16) {
-        std::memcpy(dst, static_cast<const at::BFloat16*>(x_p) + t * hid, hid * sizeof(uint16_t));
-      } else {
-        for (int64_t c = 0; c < hid; ++c) {
-          const float v = load_float(x_p, x_t, t * hid + c);
-          if constexpr (std::is_same_v<T, float>) dst[c] = v;
-          else kn.to_bf16(&v, 1, dst + c);
-        }
-      }
+      for (int64_t r = 0; r < m; ++r) gather(r);
     }
 
     // Phase 1: a = act(x W1^T + b1) * w, block by block of intermediate columns.
