@@ -114,6 +114,38 @@ WeightRows<T> weight_rows(const at::Tensor& w, const c10::optional<at::Tensor>& 
 }
 
 template <typename T>
+void gemm(const Kernels& kn, const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
+          float* out, int64_t ldo) {
+  if constexpr (std::is_same_v<T, float>) kn.gemm_f32(w, ldw, cols, packed, ld, rows, k, out, ldo);
+  else kn.gemm_bf16(w, ldw, cols, packed, ld, rows, k, out, ldo);
+}
+
+template <typename T>
+int64_t packed_index(int64_t c, int64_t m, int64_t ld) {
+  return std::is_same_v<T, float> ? serve::packed_index_f32(c, m, ld) : serve::packed_index_bf16(c, m, ld);
+}
+
+// Where each expert's rows live in a buffer of `width` values per row: row-major (few rows: the dot kernels), or
+// packed k-major for the GEMM kernels (serve_kernels.h), with `ld` rows (a multiple of 16, zero-padded).
+struct ExpertRows {
+  std::vector<int64_t> start, ld;
+  std::vector<bool> packed;
+  int64_t size = 0;
+
+  ExpertRows(const std::vector<int64_t>& offsets, int64_t width) {
+    const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t rows = offsets[e + 1] - offsets[e];
+      const bool gemm = rows >= serve::kGemmRows;
+      start.push_back(size);
+      ld.push_back(gemm ? (rows + 15) / 16 * 16 : rows);
+      packed.push_back(gemm);
+      size += gemm ? ld.back() * (width + width % 2) : rows * width;
+    }
+  }
+};
+
+template <typename T>
 void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& offsets,
          const std::vector<int64_t>& row_token, const std::vector<float>& row_weight, const at::Tensor& w1,
          const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
@@ -129,15 +161,17 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
   const float* bias2_p = bias2.defined() ? bias2.data_ptr<float>() : nullptr;
   const bool out_f32 = out.scalar_type() == at::kFloat;
 
-  std::vector<T> xs(m * hid);  // the pairs' rows of x, grouped by expert, in the compute type
-  std::vector<T> a(m * inter);
+  const ExpertRows x_rows(offsets, hid), a_rows(offsets, inter);
+  std::vector<T> xs(x_rows.size);  // the pairs' rows of x, grouped by expert, in the compute type (zero-padded)
+  std::vector<T> a(a_rows.size);   // their activations, the input of the second product
   std::vector<float> acc(out_f32 ? 0 : n_tokens * hid);  // fp32 sums for a bf16 output
   float* sum = out_f32 ? out.data_ptr<float>() : acc.data();
-  std::vector<int64_t> experts;
+  std::vector<int64_t> experts, row_expert(m);
   int64_t largest = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     if (offsets[e + 1] > offsets[e]) experts.push_back(e);
     largest = std::max(largest, offsets[e + 1] - offsets[e]);
+    std::fill(row_expert.begin() + offsets[e], row_expert.begin() + offsets[e + 1], e);
   }
   const int64_t up_blocks = (inter + kUpBlock - 1) / kUpBlock;
   const int64_t up_tasks = static_cast<int64_t>(experts.size()) * up_blocks;
@@ -147,19 +181,33 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                               std::max(up_tasks, down_tasks))));
 
+  // Stores value v of row r (of expert e, its local row i), input c, into a buffer laid out by `rows`.
+  auto put = [](T* buffer, const ExpertRows& rows, int64_t e, int64_t i, int64_t width, int64_t c, T v) {
+    buffer[rows.start[e] + (rows.packed[e] ? packed_index<T>(c, i, rows.ld[e]) : i * width + c)] = v;
+  };
   auto gather = [&](int64_t r) {  // row r of xs: the pair's token row of x, in the compute type
-    const int64_t t = row_token[r];
-    T* dst = xs.data() + r * hid;
-    if (std::is_same_v<T, float> && x_t == at::kFloat) {
-      std::memcpy(dst, static_cast<const float*>(x_p) + t * hid, hid * sizeof(float));
-    } else if (!std::is_same_v<T, float> && x_t == at::kBFloat16) {
-      std::memcpy(dst, static_cast<const at::BFloat16*>(x_p) + t * hid, hid * sizeof(uint16_t));
-    } else {
-      for (int64_t c = 0; c < hid; ++c) {
-        const float v = load_float(x_p, x_t, t * hid + c);
-        if constexpr (std::is_same_v<T, float>) dst[c] = v;
-        else kn.to_bf16(&v, 1, dst + c);
+    const int64_t t = row_token[r], e = row_expert[r], i = r - offsets[e];
+    if (!x_rows.packed[e]) {
+      T* dst = xs.data() + x_rows.start[e] + i * hid;
+      if (std::is_same_v<T, float> && x_t == at::kFloat) {
+        std::memcpy(dst, static_cast<const float*>(x_p) + t * hid, hid * sizeof(float));
+        return;
       }
+      if (!std::is_same_v<T, float> && x_t == at::kBFloat16) {
+        std::memcpy(dst, static_cast<const at::BFloat16*>(x_p) + t * hid, hid * sizeof(uint16_t));
+        return;
+      }
+    }
+    for (int64_t c = 0; c < hid; ++c) {
+      T v;
+      if (std::is_same_v<T, float> == (x_t == at::kFloat)) {
+        std::memcpy(&v, static_cast<const char*>(x_p) + (t * hid + c) * sizeof(T), sizeof(T));
+      } else {
+        const float f = load_float(x_p, x_t, t * hid + c);
+        if constexpr (std::is_same_v<T, float>) v = f;
+        else kn.to_bf16(&f, 1, &v);
+      }
+      put(xs.data(), x_rows, e, i, hid, c, v);
     }
   };
   // Decode-sized batches gather on this thread: one barrier fewer, where a barrier costs as much as the copy.
@@ -170,14 +218,16 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
 #pragma omp parallel num_threads(threads)
   {
     // Scratch: two blocks of dequantized weight rows (int8), the gate and up sums of phase 1, one row of
-    // activations, the output sums of phase 2.
+    // activations (fp32, and in the compute type), the output sums of phase 2.
+    constexpr int64_t kRows = std::max<int64_t>(kTile, serve::kGemmCols);
     const int64_t kmax = std::max(hid, inter), most = std::max<int64_t>(largest, 1);
-    float* scratch = thread_scratch(2 * kTile * kmax + 2 * kUpBlock * most + kUpBlock + kDownBlock * most);
+    float* scratch = thread_scratch(2 * kRows * kmax + 2 * kUpBlock * most + 2 * kUpBlock + kDownBlock * most);
     T* wbuf = reinterpret_cast<T*>(scratch);
-    float* gate = scratch + 2 * kTile * kmax;
+    float* gate = scratch + 2 * kRows * kmax;
     float* upv = gate + kUpBlock * most;
     float* tmp = upv + kUpBlock * most;
-    float* ybuf = tmp + kUpBlock;
+    T* tmp_t = reinterpret_cast<T*>(tmp + kUpBlock);
+    float* ybuf = tmp + 2 * kUpBlock;
 
     if (!serial_gather) {
 #pragma omp for schedule(static)
@@ -190,15 +240,17 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
       const int64_t e = experts[task / up_blocks];
       const int64_t j0 = (task % up_blocks) * kUpBlock, width = std::min(kUpBlock, inter - j0);
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-      const T* xe = xs.data() + r0 * hid;
-      for (int64_t j = 0; j < width; j += kTile) {
-        const int cols = static_cast<int>(std::min<int64_t>(kTile, width - j));
-        int64_t ld;
-        const T* wg = up.get(kn, e, j0 + j, cols, wbuf, ld);
-        dot(kn, xe, hid, rows, wg, ld, cols, hid, gate + j, kUpBlock);
-        if (glu) {
-          const T* wu = up.get(kn, e, inter + j0 + j, cols, wbuf + kTile * kmax, ld);
-          dot(kn, xe, hid, rows, wu, ld, cols, hid, upv + j, kUpBlock);
+      const T* xe = xs.data() + x_rows.start[e];
+      const bool packed = x_rows.packed[e];
+      const int64_t step = packed ? serve::kGemmCols : kTile;
+      for (int64_t j = 0; j < width; j += step) {
+        const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
+        for (int half = 0; half < (glu ? 2 : 1); ++half) {
+          int64_t ld;
+          const T* w = up.get(kn, e, half * inter + j0 + j, cols, wbuf + half * kRows * kmax, ld);
+          float* dst = (half ? upv : gate) + j;
+          if (packed) gemm(kn, w, ld, cols, xe, x_rows.ld[e], rows, hid, dst, kUpBlock);
+          else dot(kn, xe, hid, rows, w, ld, cols, hid, dst, kUpBlock);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -210,12 +262,18 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
           if (glu)
             for (int64_t j = 0; j < width; ++j) u[j] += b[inter + j0 + j];
         }
-        T* dst = a.data() + (r0 + r) * inter + j0;
+        kn.activate(g, glu ? u : nullptr, row_weight[r0 + r], width, act, tmp);
+        T* values;
         if constexpr (std::is_same_v<T, float>) {
-          kn.activate(g, glu ? u : nullptr, row_weight[r0 + r], width, act, dst);
+          values = tmp;
         } else {
-          kn.activate(g, glu ? u : nullptr, row_weight[r0 + r], width, act, tmp);
-          kn.to_bf16(tmp, width, dst);
+          kn.to_bf16(tmp, width, tmp_t);
+          values = tmp_t;
+        }
+        if (a_rows.packed[e]) {
+          for (int64_t j = 0; j < width; ++j) put(a.data(), a_rows, e, r, inter, j0 + j, values[j]);
+        } else {
+          std::memcpy(a.data() + a_rows.start[e] + r * inter + j0, values, width * sizeof(T));
         }
       }
     }
@@ -227,12 +285,15 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
       for (int64_t t = 0; t < n_tokens; ++t) std::fill_n(sum + t * hid + n0, width, 0.0f);
       for (int64_t e : experts) {
         const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        const T* ae = a.data() + r0 * inter;
-        for (int64_t j = 0; j < width; j += kTile) {
-          const int cols = static_cast<int>(std::min<int64_t>(kTile, width - j));
+        const T* ae = a.data() + a_rows.start[e];
+        const bool packed = a_rows.packed[e];
+        const int64_t step = packed ? serve::kGemmCols : kTile;
+        for (int64_t j = 0; j < width; j += step) {
+          const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
           int64_t ld;
           const T* w = down.get(kn, e, n0 + j, cols, wbuf, ld);
-          dot(kn, ae, inter, rows, w, ld, cols, inter, ybuf + j, kDownBlock);
+          if (packed) gemm(kn, w, ld, cols, ae, a_rows.ld[e], rows, inter, ybuf + j, kDownBlock);
+          else dot(kn, ae, inter, rows, w, ld, cols, inter, ybuf + j, kDownBlock);
         }
         const float* b = bias2_p ? bias2_p + e * hid + n0 : nullptr;
         for (int64_t r = 0; r < rows; ++r) {

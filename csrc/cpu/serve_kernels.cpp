@@ -99,6 +99,27 @@ void activate_portable(const float* g, const float* u, float scale, int64_t n, A
   for (int64_t i = 0; i < n; ++i) out[i] = act_scalar(g[i], act) * (u ? u[i] : 1.0f) * scale;
 }
 
+void gemm_f32_portable(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
+                       int64_t k, float* out, int64_t ldo) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < k; ++c) acc += w[j * ldw + c] * packed[packed_index_f32(c, m, ld)];
+      out[m * ldo + j] = acc;
+    }
+}
+
+void gemm_bf16_portable(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld, int64_t rows,
+                        int64_t k, float* out, int64_t ldo) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < k; ++c)
+        acc += bf16_bits_to_float(w[j * ldw + c]) * bf16_bits_to_float(packed[packed_index_bf16(c, m, ld)]);
+      out[m * ldo + j] = acc;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // AVX-512 with BF16
 // ---------------------------------------------------------------------------------------------------------------
@@ -340,6 +361,124 @@ HF_AVX512 void activate_avx512(const float* g, const float* u, float scale, int6
   }
 }
 
+// GEMM register tile: NJ weight rows x MB activation rows (16 or 32: one or two vectors), over all of K. Each weight
+// value (fp32) or pair of values (bf16) is broadcast against MB packed activations. Results are scattered to
+// out[m * ldo + j] (the tile's outputs are few next to its products: K / 2 * NJ * MB / 16 vdpbf16ps).
+template <int NJ, int MB>
+HF_AVX512 inline void store_gemm_tile(__m512 (&acc)[NJ][2], int64_t rows, float* out, int64_t ldo) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int>(ldo)));
+  for (int b = 0; b < MB / 16; ++b) {
+    const int64_t left = rows - 16 * b;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    float* base = out + 16 * b * ldo;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) _mm512_mask_i32scatter_ps(base + j, mask, index, acc[j][b], 4);
+  }
+}
+
+template <int NJ, int MB>
+HF_AVX512 void gemm_tile_f32(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t rows, int64_t k,
+                             float* out, int64_t ldo) {
+  __m512 acc[NJ][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; ++c) {
+    const __m512 x0 = _mm512_loadu_ps(packed + c * ld);
+    const __m512 x1 = MB == 32 ? _mm512_loadu_ps(packed + c * ld + 16) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {
+      const __m512 a = _mm512_set1_ps(w[j * ldw + c]);
+      acc[j][0] = _mm512_fmadd_ps(a, x0, acc[j][0]);
+      if (MB == 32) acc[j][1] = _mm512_fmadd_ps(a, x1, acc[j][1]);
+    }
+  }
+  store_gemm_tile<NJ, MB>(acc, rows, out, ldo);
+}
+
+template <int NJ, int MB>
+HF_AVX512 void gemm_tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t rows,
+                              int64_t k, float* out, int64_t ldo) {
+  __m512 acc[NJ][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* xp = packed + p * 2 * ld;
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp);
+    const __m512bh x1 = MB == 32 ? (__m512bh)_mm512_loadu_si512(xp + 32) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, w + j * ldw + 2 * p, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], a, x0);
+      if (MB == 32) acc[j][1] = _mm512_dpbf16_ps(acc[j][1], a, x1);
+    }
+  }
+  if (k % 2) {  // the last input alone: its partner is zero in the packed activations (and here)
+    const uint16_t* xp = packed + pairs * 2 * ld;
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp);
+    const __m512bh x1 = MB == 32 ? (__m512bh)_mm512_loadu_si512(xp + 32) : x0;
+    for (int j = 0; j < NJ; ++j) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[j * ldw + k - 1]));
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], a, x0);
+      if (MB == 32) acc[j][1] = _mm512_dpbf16_ps(acc[j][1], a, x1);
+    }
+  }
+  store_gemm_tile<NJ, MB>(acc, rows, out, ldo);
+}
+
+// All rows and `cols` weight rows: tiles of 8 (then 4, 2, 1) weight rows x 32 (then 16) activation rows. The packed
+// activations of one 32-row block are reused for every weight tile while they sit in L1.
+template <typename T, template <int, int> class Tile>
+HF_AVX512 void gemm_all(const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
+                        float* out, int64_t ldo) {
+  const int64_t pair = std::is_same_v<T, float> ? 1 : 2;  // packed values per activation row and input pair
+  for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+    const int64_t left = rows - m0;
+    const T* xp = packed + m0 * pair;
+    float* om = out + m0 * ldo;
+    int j = 0;
+#define HF_MOE_GEMM(NJ)                                                                  \
+  if (left > 16) Tile<NJ, 32>::run(w + j * ldw, ldw, xp, ld, left, k, om + j, ldo);       \
+  else Tile<NJ, 16>::run(w + j * ldw, ldw, xp, ld, left, k, om + j, ldo);                 \
+  j += NJ;
+    while (cols - j >= 8) { HF_MOE_GEMM(8) }
+    if (cols - j >= 4) { HF_MOE_GEMM(4) }
+    if (cols - j >= 2) { HF_MOE_GEMM(2) }
+    if (cols - j >= 1) { HF_MOE_GEMM(1) }
+#undef HF_MOE_GEMM
+  }
+}
+
+template <int NJ, int MB>
+struct GemmF32 {
+  HF_AVX512 static void run(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t rows, int64_t k,
+                            float* out, int64_t ldo) {
+    gemm_tile_f32<NJ, MB>(w, ldw, packed, ld, rows, k, out, ldo);
+  }
+};
+
+template <int NJ, int MB>
+struct GemmBF16 {
+  HF_AVX512 static void run(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t rows,
+                            int64_t k, float* out, int64_t ldo) {
+    gemm_tile_bf16<NJ, MB>(w, ldw, packed, ld, rows, k, out, ldo);
+  }
+};
+
+HF_AVX512 void gemm_f32_avx512(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
+                               int64_t k, float* out, int64_t ldo) {
+  gemm_all<float, GemmF32>(w, ldw, cols, packed, ld, rows, k, out, ldo);
+}
+
+HF_AVX512 void gemm_bf16_avx512(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld,
+                                int64_t rows, int64_t k, float* out, int64_t ldo) {
+  gemm_all<uint16_t, GemmBF16>(w, ldw, cols, packed, ld, rows, k, out, ldo);
+}
+
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -348,11 +487,13 @@ bool cpu_has_avx512_bf16() {
 }
 #endif
 
-const Kernels kPortable{"portable",          dot_f32_portable,      dot_bf16_portable, dequant_f32_portable,
-                        dequant_bf16_portable, to_bf16_portable, activate_portable};
+const Kernels kPortable{"portable",        dot_f32_portable,  dot_bf16_portable,  dequant_f32_portable,
+                        dequant_bf16_portable, to_bf16_portable, gemm_f32_portable, gemm_bf16_portable,
+                        activate_portable};
 #ifdef HF_MOE_HAS_AVX512_KERNELS
-const Kernels kAvx512{"avx512_bf16",       dot_f32_avx512, dot_bf16_avx512, dequant_f32_avx512,
-                      dequant_bf16_avx512, to_bf16_avx512, activate_avx512};
+const Kernels kAvx512{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  dequant_f32_avx512,
+                      dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512,  gemm_bf16_avx512,
+                      activate_avx512};
 #endif
 
 }  // namespace

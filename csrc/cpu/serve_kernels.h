@@ -17,6 +17,16 @@ namespace serve {
 
 // Output rows per kernel call (`cols` <= kTile) and activation rows per register tile.
 constexpr int kTile = 4;
+// Experts with at least this many rows (prefill) take the GEMM kernels: their activations are packed once, k-major
+// (`packed` below), and every weight row is broadcast against 32 activation rows at a time.
+constexpr int64_t kGemmRows = 16;
+constexpr int kGemmCols = 8;  // weight rows per GEMM register tile (and per dequantized block)
+
+// Packed activations of one expert, `ld` >= rows (a multiple of 16), zero past the rows:
+//   fp32: packed[c * ld + m] = x[m][c]          bf16: packed[(c / 2) * 2 * ld + 2 * m + c % 2] = x[m][c]
+// (bf16 in pairs of inputs, as vdpbf16ps multiplies them), round_up(k, 2) * ld values.
+inline int64_t packed_index_f32(int64_t c, int64_t m, int64_t ld) { return c * ld + m; }
+inline int64_t packed_index_bf16(int64_t c, int64_t m, int64_t ld) { return (c / 2) * 2 * ld + 2 * m + c % 2; }
 
 struct Kernels {
   const char* isa;  // "avx512_bf16" or "portable"
@@ -33,6 +43,11 @@ struct Kernels {
                        int64_t k, uint16_t* dst);
   // dst[i] = bf16(src[i]), rounded to nearest even, for i < n.
   void (*to_bf16)(const float* src, int64_t n, uint16_t* dst);
+  // out[m * ldo + j] = sum_c w[j * ldw + c] * x[m][c] for m < rows, j < cols, from packed activations (above).
+  void (*gemm_f32)(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows, int64_t k,
+                   float* out, int64_t ldo);
+  void (*gemm_bf16)(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld, int64_t rows,
+                    int64_t k, float* out, int64_t ldo);
   // out[i] = act(g[i]) * u[i] * scale (u == nullptr: act(g[i]) * scale), for i < n.
   void (*activate)(const float* g, const float* u, float scale, int64_t n, Activation act, float* out);
 };

@@ -7,9 +7,9 @@ active expert's rows over all threads. It runs where
 
   * the compiled extension is loaded (the "compiled" backend), the tensors are on CPU and no gradient is needed;
   * the activations are fp32 or bf16 and the weights fp32, bf16 or int8 (fp64 and fp16 take the other path);
-  * for fp32 and bf16 weights, the CPU has AVX-512 with BF16 (`kernel_isa() == "avx512_bf16"`) and the layer has
-    few tokens (`MAX_TOKENS`): measured faster there than torch's GEMMs in benchmarks/experts_kernels.py. int8
-    weights always take it: it is their only compiled kernel (elsewhere they are dequantized, then multiplied).
+  * for fp32 and bf16 weights, the CPU has AVX-512 with BF16 (`kernel_isa() == "avx512_bf16"`) and, for bf16,
+    the layer call has few tokens (`MAX_TOKENS`): where it was measured faster than torch's GEMMs. int8 weights
+    always take it: it is their only compiled kernel (elsewhere they are dequantized, then multiplied).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import functools
 
 import torch
 
-# Layers of at most this many tokens (1 to a few during decoding) take the inference kernel when the weights are
-# fp32 or bf16; longer ones (prefill) keep the GEMMs of the fused kernel. See benchmarks/experts_kernels.py.
-MAX_TOKENS = {torch.float32: 16, torch.bfloat16: 16}
+# Layer calls of at most this many tokens take the inference kernel when the weights are fp32 or bf16 (None: any
+# number). Measured (benchmarks/experts_kernels.py, quickstart shapes, one thread, fastest of 7): fp32 ours/MKL
+# 15.4/20.5 ms per layer at 32 tokens, 27/49 at 128, 85/151 at 512; bf16 ours/oneDNN 7.1/8.9 at 32 tokens but
+# 18.4/14.6 at 128 and 49/33 at 512, so longer bf16 calls keep torch's GEMMs (oneDNN).
+MAX_TOKENS = {torch.float32: None, torch.bfloat16: 32}
 
 
 @functools.cache
@@ -42,7 +44,8 @@ def runs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, save_h: bool) -> b
         return True
     if w1.dtype not in MAX_TOKENS or kernel_isa() != "avx512_bf16":
         return False
-    return x.shape[0] <= MAX_TOKENS[w1.dtype]
+    limit = MAX_TOKENS[w1.dtype]
+    return limit is None or x.shape[0] <= limit
 
 
 def experts_infer(
