@@ -242,11 +242,7 @@ def _read_experts(directory: str, model, config, weight_map: dict[str, str], exp
     blocks = moe_blocks(model)
     dtype = next(model.parameters()).dtype
     prefixes = [f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers]
-    quantized = [
-        QuantizedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.expert_glu,
-                         config.expert_bias, config.expert_hidden_act, group_size, bias_dtype=dtype)
-        for _ in blocks
-    ]
+    quantized = [QuantizedExperts.from_config(config).to(dtype) for _ in blocks]  # (scales stay fp32)
     by_file: dict[str, list[str]] = {}
     for key in expected:
         by_file.setdefault(weight_map[key], []).append(key)

@@ -247,3 +247,14 @@ def test_offloaded_int8_experts_generate_like_resident_ones(tmp_path, mode):
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
     assert cache.stats.bytes_read == int8_bytes * (cache.stats.demand_fetches + cache.stats.prefetches) > 0
+
+
+def test_torch_compile_fullgraph_runs_the_int8_kernel():
+    """A compiled decode step (torch.compile fullgraph, no gradients) keeps the int8 kernel as one node."""
+    quantized = QuantizedExperts.from_experts(_Experts(4, 64, 96, glu=True, bias=True, dtype=torch.float32))
+    index, weights = _routing(2, 2, 4, "random")
+    x = torch.randn(2, 64)
+    with use_backend("compiled"), torch.no_grad():
+        want = quantized(x, index, weights.float())
+        got = torch.compile(quantized, fullgraph=True, backend="aot_eager")(x, index, weights.float())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

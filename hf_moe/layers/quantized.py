@@ -61,6 +61,13 @@ class QuantizedExperts(nn.Module):
             self.down_proj_bias = None
 
     @classmethod
+    def from_config(cls, config) -> QuantizedExperts:
+        """Empty int8 experts shaped by an MoEConfig whose `expert_quantization` names them (to load into)."""
+        settings = getattr(config, CONFIG_FIELD, None) or {}
+        return cls(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.expert_glu,
+                   config.expert_bias, config.expert_hidden_act, settings.get("group_size"))
+
+    @classmethod
     @torch.no_grad()
     def from_experts(cls, experts: nn.Module, group_size: int | None = None) -> QuantizedExperts:
         """Quantize an `Experts` module (or a transformers experts module of the same layout): each output channel
