@@ -12,7 +12,9 @@
 //
 // Work is split by output columns, never by expert, so every thread streams its share of every active expert's
 // weights once: a one-token decode reads each active weight once, with both threads busy, and a long prefill reuses
-// each few weight rows (in L1) for all the rows routed to that expert.
+// each few weight rows (in L1) for all the rows routed to that expert. An expert with few rows (decoding) runs the
+// dot-product kernels on its rows as they are; one with kGemmRows or more (prefill) has its rows packed k-major
+// once (when they are gathered, and when its activations are written) for the GEMM kernels (serve_kernels.h).
 //   phase 1: blocks of intermediate columns j (gate rows j and up rows I + j together, so the activation follows
 //            at once): a [M, I], the M = N k pairs grouped by expert;
 //   phase 2: blocks of hidden columns: out[:, block] summed over every expert's pairs.
