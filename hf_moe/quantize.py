@@ -31,6 +31,7 @@ import os
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .checkpoint import (
     INDEX_NAME,
@@ -92,7 +93,7 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
                "Convert a dense model first with hf_moe.convert_to_moe.")
         )
     for name, module in targets:
-        if getattr(module, "ep_plan", None) is not None or isinstance(getattr(module, "down_proj"), _dtensor()):
+        if getattr(module, "ep_plan", None) is not None or isinstance(module.down_proj, DTensor):
             raise NotImplementedError(
                 "quantize_experts does not take expert-parallel (sharded) experts: quantize the model on one "
                 "process, save it with save_quantized, and serve it from there."
@@ -103,12 +104,6 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
     if getattr(model, "config", None) is not None:
         setattr(model.config, CONFIG_FIELD, quantization_config(method, group_size))
     return model
-
-
-def _dtensor():
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
 
 
 # --------------------------------------------------------------------------------------------------------------

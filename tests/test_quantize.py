@@ -138,6 +138,21 @@ def test_quantize_experts_keeps_the_logits_close():
         quantize_experts(_moe(), "int4")
 
 
+def test_quantize_experts_of_a_native_transformers_moe():
+    """transformers' own MoE models (Mixtral here) have experts of the same fused layout: they quantize too."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    model = MixtralForCausalLM(config).eval()
+    ids = random_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+        got = quantize_experts(model, "int8")(ids).logits
+    assert len(_quantized(model)) == 2
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
 def test_lora_on_attention_trains_through_int8_experts():
     """PEFT LoRA on the attention of a model with int8 experts: the adapters get the gradients they get in the
     same model with the dequantized experts, and the experts stay as they were."""
