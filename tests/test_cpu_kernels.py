@@ -75,8 +75,9 @@ CASES = [
     # 16 rows or more per expert take the GEMM kernels (packed activations): 70 rows on expert 0 and 1 make row
     # blocks of 32, 32 and 6; an odd intermediate size leaves an unpaired input in bf16.
     (70, 2, 3, "one_expert", 40, 45),
+    (5, 2, 4, "random", 128, 192),  # groups of 64 over whole cache lines of int8 weights
 ]
-WEIGHTS = ["fp32", "bf16", "int8", "int8_group32"]
+WEIGHTS = ["fp32", "bf16", "int8", "int8_group32", "int8_group64"]
 
 
 def _prepared(kind, w1, w2, hidden, inter):
@@ -86,7 +87,7 @@ def _prepared(kind, w1, w2, hidden, inter):
     if kind == "bf16":
         w1, w2 = w1.bfloat16(), w2.bfloat16()
         return (w1, None, w2, None), (w1, w2)
-    group = 32 if kind == "int8_group32" else None
+    group = int(kind.removeprefix("int8_group")) if kind.startswith("int8_group") else None
     if group and (hidden % group or inter % group):
         pytest.skip("grouped scales need group-aligned sizes")
     q1, s1 = quantize_int8(w1, group)

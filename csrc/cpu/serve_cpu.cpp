@@ -5,10 +5,11 @@
 //   out_t = sum over t's pairs of  a_r W2_e^T + w_r b2_e
 //
 // Compute precision follows the weights: fp32 weights compute in fp32; bf16 weights in bf16 with fp32 accumulation
-// (vdpbf16ps); int8 weights are dequantized (q * scale) a few rows at a time, in L1, to the activations' precision
-// (fp32, or bf16 for bf16 activations) and then multiplied as those: the result is dequantize-then-matmul without
-// the dequantized matrix ever reaching memory. Scales are fp32, one per output row ([E, out]) or per group of
-// `K / G` inputs ([E, out, G]).
+// (vdpbf16ps); int8 weights are dequantized (q * scale, fp32) without the dequantized matrix ever reaching memory:
+// for an expert's few rows (decoding) in registers, multiplied in fp32 (bf16 activations are exact in fp32); for
+// many rows (prefill) a few weight rows at a time into L1, in the activations' precision (fp32, or rounded to bf16
+// for bf16 activations, then vdpbf16ps). Either way the result is dequantize-then-matmul. Scales are fp32, one per
+// output row ([E, out]) or per group of `K / G` inputs ([E, out, G]).
 //
 // Work is split by output columns, never by expert, so every thread streams its share of every active expert's
 // weights once: a one-token decode reads each active weight once, with both threads busy, and a long prefill reuses
@@ -61,7 +62,29 @@ struct WeightRows {
     else kn.dequant_bf16(q, k, s, ld_scale, group, cols, k, scratch);
     return scratch;
   }
+
+  // int8 rows against fp32 activation rows, dequantized in registers (the decode path of int8 experts).
+  void dot_q8(const Kernels& kn, int64_t e, int64_t r0, int cols, const float* x, int64_t ldx, int64_t n, float* out,
+              int64_t ldo) const {
+    const int64_t first = e * rows + r0;
+    kn.dot_q8(x, ldx, n, reinterpret_cast<const int8_t*>(data) + first * k, k, scale + first * ld_scale, ld_scale,
+              group, cols, k, out, ldo);
+  }
 };
+
+// rows x width values of type T as fp32: `src` itself for fp32, else converted into `scratch`.
+template <typename T>
+const float* as_f32(const T* src, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(scratch + i, &bits, sizeof bits);
+    }
+    return scratch;
+  }
+}
 
 template <typename T>
 void dot(const Kernels& kn, const T* x, int64_t ldx, int64_t rows, const T* w, int64_t ldw, int cols, int64_t k,
@@ -162,6 +185,7 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
   const float* bias1_p = bias1.defined() ? bias1.data_ptr<float>() : nullptr;
   const float* bias2_p = bias2.defined() ? bias2.data_ptr<float>() : nullptr;
   const bool out_f32 = out.scalar_type() == at::kFloat;
+  const bool int8 = w1.scalar_type() == at::kChar;
 
   const ExpertRows x_rows(offsets, hid), a_rows(offsets, inter);
   std::vector<T> xs(x_rows.size);  // the pairs' rows of x, grouped by expert, in the compute type (zero-padded)
@@ -223,13 +247,15 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
     // activations (fp32, and in the compute type), the output sums of phase 2.
     constexpr int64_t kRows = std::max<int64_t>(kTile, serve::kGemmCols);
     const int64_t kmax = std::max(hid, inter), most = std::max<int64_t>(largest, 1);
-    float* scratch = thread_scratch(2 * kRows * kmax + 2 * kUpBlock * most + 2 * kUpBlock + kDownBlock * most);
+    float* scratch = thread_scratch(2 * kRows * kmax + 2 * kUpBlock * most + 2 * kUpBlock + kDownBlock * most +
+                                    (int8 ? kmax * std::min<int64_t>(most, serve::kGemmRows) : 0));
     T* wbuf = reinterpret_cast<T*>(scratch);
     float* gate = scratch + 2 * kRows * kmax;
     float* upv = gate + kUpBlock * most;
     float* tmp = upv + kUpBlock * most;
     T* tmp_t = reinterpret_cast<T*>(tmp + kUpBlock);
     float* ybuf = tmp + 2 * kUpBlock;
+    float* x_f32 = ybuf + kDownBlock * most;  // (int8 decode) an expert's few rows as fp32
 
     if (!serial_gather) {
 #pragma omp for schedule(static)
@@ -244,13 +270,19 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       const T* xe = xs.data() + x_rows.start[e];
       const bool packed = x_rows.packed[e];
+      const float* xf = int8 && !packed ? as_f32(xe, rows * hid, x_f32) : nullptr;
       const int64_t step = packed ? serve::kGemmCols : kTile;
       for (int64_t j = 0; j < width; j += step) {
         const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
         for (int half = 0; half < (glu ? 2 : 1); ++half) {
-          int64_t ld;
-          const T* w = up.get(kn, e, half * inter + j0 + j, cols, wbuf + half * kRows * kmax, ld);
+          const int64_t row = half * inter + j0 + j;
           float* dst = (half ? upv : gate) + j;
+          if (xf) {
+            up.dot_q8(kn, e, row, cols, xf, hid, rows, dst, kUpBlock);
+            continue;
+          }
+          int64_t ld;
+          const T* w = up.get(kn, e, row, cols, wbuf + half * kRows * kmax, ld);
           if (packed) gemm(kn, w, ld, cols, xe, x_rows.ld[e], rows, hid, dst, kUpBlock);
           else dot(kn, xe, hid, rows, w, ld, cols, hid, dst, kUpBlock);
         }
@@ -289,9 +321,14 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
         const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
         const T* ae = a.data() + a_rows.start[e];
         const bool packed = a_rows.packed[e];
+        const float* af = int8 && !packed ? as_f32(ae, rows * inter, x_f32) : nullptr;
         const int64_t step = packed ? serve::kGemmCols : kTile;
         for (int64_t j = 0; j < width; j += step) {
           const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
+          if (af) {
+            down.dot_q8(kn, e, n0 + j, cols, af, inter, rows, ybuf + j, kDownBlock);
+            continue;
+          }
           int64_t ld;
           const T* w = down.get(kn, e, n0 + j, cols, wbuf, ld);
           if (packed) gemm(kn, w, ld, cols, ae, a_rows.ld[e], rows, inter, ybuf + j, kDownBlock);

@@ -35,6 +35,10 @@ struct Kernels {
                   float* out, int64_t ldo);
   void (*dot_bf16)(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t ldw, int cols,
                    int64_t k, float* out, int64_t ldo);
+  // The dot product against int8 weight rows, dequantized in registers (q * scale in fp32, the values
+  // dequant_f32 gives): out[m * ldo + j] = sum_c x[m * ldx + c] * q[j * ldq + c] * scale[j * ld_scale + c / group].
+  void (*dot_q8)(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq, const float* scale,
+                 int64_t ld_scale, int64_t group, int cols, int64_t k, float* out, int64_t ldo);
   // dst[j * k + c] = q[j * ldq + c] * scale[j * ld_scale + c / group], for j < cols: int8 weight rows
   // dequantized to fp32, or to bf16 (rounded to nearest even, as torch's .to(torch.bfloat16)).
   void (*dequant_f32)(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group, int cols,
