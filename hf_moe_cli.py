@@ -1,6 +1,6 @@
 """The `hf-moe` command: parsing only, with the standard library.
 
-Every command's work lives in `hf_moe.cli` and is imported when the command runs, so `hf-moe --help` (and a typo)
+Every command's work lives in `hf_moe.commands` and is imported when the command runs, so `hf-moe --help` (and a typo)
 answers at once instead of after importing torch and transformers (several seconds). This module sits outside the
 `hf_moe` package on purpose: importing anything inside it runs `hf_moe/__init__.py`, which registers the model with
 transformers.
@@ -53,10 +53,18 @@ def _parser() -> argparse.ArgumentParser:
                          "by tensor and check every MoE block against its MLP)")
     convert.add_argument("--max-shard-size", default="5GB")
 
+    # merge (issue 21): several dense fine-tunes of one base -> one MoE; hf_moe/convert/merge.py
+    merge = sub.add_parser("merge", help="merge dense fine-tunes of one base model into one MoE (a mergekit-moe "
+                           "YAML, with hf_moe's fields beside mergekit's; see docs/merging.md)")
+    merge.add_argument("config", help="the merge recipe (YAML)")
+    merge.add_argument("out", help="output directory")
+    merge.add_argument("--max-shard-size", default="5GB")
+
     inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
     inspect.add_argument("dir")
     inspect.add_argument("--routing", action="store_true", help="run the model over --data and show the routing")
-    inspect.add_argument("--data", help="text file for --routing")
+    inspect.add_argument("--data", nargs="+", help="text file(s) for --routing; several files = several domains: "
+                         "which expert each domain's tokens go to, per layer")
     inspect.add_argument("--max-tokens", type=int, default=4096)
     inspect.add_argument("--heatmap", help="PNG path for the layers x experts load heatmap (default: DIR/routing.png)")
 
@@ -71,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="hash every file of a saved MoE checkpoint and compare with the checksums "
                             "recorded when it was saved; exits 1 naming each damaged file and tensor")
     verify.add_argument("dir", help="a directory saved by hf_moe")
+    verify.add_argument("--update", action="store_true", help="first record the config files as they are now "
+                        "(config.json, generation_config.json, modeling_hf_moe.py changed on purpose), then verify")
     generate = sub.add_parser("generate", help="generate text with a saved MoE model, streaming the tokens; with "
                               "--offload-experts, past memory (experts read on demand into a bounded cache)")
     generate.add_argument("model", help="a directory saved by hf_moe (with its tokenizer)")
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv) and run the command. Returns the exit status: 0, 1 when `verify` finds
     damage, or 2 for bad input."""
     args = _parser().parse_args(argv)
-    from hf_moe.cli import run  # the heavy imports start here
+    from hf_moe.commands import run  # the heavy imports start here
 
     return run(args)
 

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_moe
+from hf_moe.compat import cache_kwargs, output_cache
 from spread import cell  # benchmarks/spread.py
 
 
@@ -39,12 +40,12 @@ def greedy(model, prompt, new_tokens):
         start = time.perf_counter()
         out = model(prompt, use_cache=True, logits_to_keep=1)  # as generate() does: the last position's logits
         prefill = time.perf_counter() - start
-        past, token, generated = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+        past, token, generated = output_cache(out), out.logits[:, -1:].argmax(-1), []
         start = time.perf_counter()
         for _ in range(new_tokens):
             generated.append(token)
-            out = model(token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            out = model(token, **cache_kwargs(past), use_cache=True)
+            past, token = output_cache(out), out.logits[:, -1:].argmax(-1)
         decode = time.perf_counter() - start
     return prefill, decode, torch.cat(generated, dim=1)[0]
 

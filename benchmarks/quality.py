@@ -195,7 +195,7 @@ SMOKE = Sizes(layers=2, hidden=32, heads=2, experts=8, expert_intermediate=16, c
 VOCAB = 256  # bytes
 
 # name -> (top-k, expert size in units of I, MoEConfig fields). The router settings are convert_to_moe's defaults
-# for each router (hf_moe/convert/api.py ROUTER_DEFAULTS), except switch's norm_topk_prob (see README notes).
+# for each router (hf_moe/convert/api.py ROUTER_DEFAULTS), except switch's norm_topk_prob (docs/converting.md).
 MOE = {
     "topk": (2, 1, {"router_type": "topk"}),
     "topk_noaux": (2, 1, {"router_type": "topk", "router_aux_loss_coef": 0.0}),

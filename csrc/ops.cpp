@@ -1,5 +1,5 @@
-// Schemas of the hf_moe ops (torch.library), shared helpers, and the Python module (pybind11).
-// Kernels: cpu/*.cpp register the CPU implementations. CUDA tensors run the Triton kernels (hf_moe/ops/triton/).
+// Shared helpers and the Python module (pybind11) of the hf_moe CPU kernels.
+// Kernels: cpu/*.cpp register the CPU implementations of the ops hf_moe/ops/library.py defines.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -26,31 +26,9 @@ __attribute__((used)) const char kSourceStamp[] = "hf_moe_source_hash=" HF_MOE_S
 
 }  // namespace hf_moe
 
-TORCH_LIBRARY(hf_moe, m) {
-  m.def("sort_by_expert(Tensor top_k_index, int num_experts) -> (Tensor, Tensor, Tensor)");
-  m.def("permute(Tensor hidden_states, Tensor sorted_slots, int top_k) -> Tensor");
-  m.def("unpermute(Tensor rows, Tensor slot_to_row, Tensor? top_k_weights, int top_k) -> Tensor");
-  m.def(
-      "grouped_mm(Tensor x, Tensor weight, Tensor tokens_per_expert, Tensor? bias, Tensor? bias_scale, "
-      "bool transpose_weight) -> Tensor");
-  m.def("grouped_mm_weight_grad(Tensor grad_out, Tensor x, Tensor tokens_per_expert) -> Tensor");
-  m.def("expert_act(Tensor h, Tensor? row_scale, str activation, bool glu) -> Tensor");
-  m.def(
-      "expert_act_backward(Tensor grad, Tensor h, Tensor? row_scale, str activation, bool glu, "
-      "bool return_output) -> (Tensor, Tensor, Tensor)");
-  // The whole expert computation in one call (CPU): (out, h, sorted_slots, slot_to_row, tokens_per_expert,
-  // row_weight). h is empty unless save_h.
-  m.def(
-      "moe_experts_forward(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, Tensor w1, Tensor? b1, "
-      "Tensor w2, Tensor? b2, str activation, bool glu, bool save_h) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // (grad_x, grad_top_k_weights, grad_w1, grad_b1, grad_w2, grad_b2); empty where not asked for or no bias.
-  m.def(
-      "moe_experts_backward(Tensor grad_out, Tensor hidden_states, Tensor h, Tensor sorted_slots, "
-      "Tensor slot_to_row, Tensor tokens_per_expert, Tensor row_weight, Tensor w1, Tensor? b1, Tensor w2, "
-      "Tensor? b2, str activation, bool glu, bool need_x, bool need_weights, bool need_params) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
+// The schemas of the hf_moe ops are defined in Python when hf_moe is imported (hf_moe/ops/library.py), with their
+// shape functions, backward formulas and pure-torch default kernels, so a saved exported program that calls them
+// loads without this extension. cpu/*.cpp register the CPU kernels (TORCH_LIBRARY_IMPL).
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "hf_moe compiled dispatch and expert kernels (ops live in torch.ops.hf_moe)";

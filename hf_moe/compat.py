@@ -14,7 +14,7 @@ from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
 
 # The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends).
 TESTED = {
-    "transformers": ("5.17.0", "5.23.0"),
+    "transformers": ("5.17.0", "5.24.0"),
     "torch": ("2.13.0", "2.13.0"),
     "accelerate": ("1.15.0", "1.15.0"),
     "safetensors": ("0.8.0", "0.8.0"),
@@ -27,6 +27,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
 )
 
 # --------------------------------------------------------------------------------------------------------------
@@ -51,6 +54,35 @@ from transformers.integrations.moe import (
     grouped_mm_experts_forward,
 )
 from transformers.integrations.moe import _default_apply_gate as default_apply_gate
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers: names that changed within the TESTED range
+# --------------------------------------------------------------------------------------------------------------
+# 5.24 renamed the key/value cache of model inputs and outputs from `past_key_values` to `cache` (the old name works
+# until 5.40, with a deprecation warning on every use). The name the installed release uses:
+from transformers.modeling_outputs import CausalLMOutputWithPast as _CausalLMOutput
+
+CACHE_NAME = "cache" if "cache" in _CausalLMOutput.__dataclass_fields__ else "past_key_values"
+
+
+def output_cache(outputs):
+    """The key/value cache a model output carries (`outputs.cache` from transformers 5.24, `.past_key_values`
+    before), or None."""
+    return getattr(outputs, CACHE_NAME, None)
+
+
+def cache_kwargs(cache) -> dict:
+    """The keyword argument that passes `cache` to a model's forward: `{"cache": cache}` from transformers 5.24,
+    `{"past_key_values": cache}` before."""
+    return {CACHE_NAME: cache}
+
+
+def enable_activation_checkpointing(model, **kwargs) -> None:
+    """`model.activation_checkpointing_enable(**kwargs)`: transformers 5.23 renamed `gradient_checkpointing_enable`
+    (the old name warns), which 5.17 still uses."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(**kwargs)
 
 
 def register_output_recording(model) -> None:
@@ -136,10 +168,14 @@ def triton_cuobjdump() -> str:
 
 __all__ = [
     "ALL_EXPERTS_FUNCTIONS",
+    "CACHE_NAME",
     "CONFIG_MAPPING",
     "Conv1D",
     "MODEL_FOR_CAUSAL_LM_MAPPING",
     "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING",
+    "MODEL_MAPPING",
     "MergeModulelist",
     "TESTED",
     "TRANSFORMERS_VERSION",
@@ -147,12 +183,15 @@ __all__ = [
     "TritonGPUTarget",
     "WeightConverter",
     "attn_implementation",
+    "cache_kwargs",
     "can_set_experts_implementation",
     "convert_file_size_to_int",
     "declare_sharded_at_load",
     "default_apply_gate",
+    "enable_activation_checkpointing",
     "grouped_mm_experts_forward",
     "init",
+    "output_cache",
     "register_output_recording",
     "register_checkpoint_conversion_mapping",
     "remove_tied_weights_from_state_dict",

@@ -4,7 +4,9 @@ A converted model keeps its base architecture, so its config must keep every fie
 `attribute_map` entry) of the base config class. `MoEConfig` is therefore specialised per base config class:
 `MoEConfig(base_model_type="llama", ...)` returns an instance of `MoELlamaConfig`, a dataclass that derives
 from both `MoEConfig` and `LlamaConfig`. The specialised classes are made on demand and live in this module's
-namespace, so they pickle by reference.
+namespace, so they pickle by reference. Each new one is announced to the hooks of `add_config_class_hook`:
+`hf_moe.auto` registers the matching model classes with transformers' Auto classes through it, so that
+`AutoModelForCausalLM.from_pretrained` finds them from a freshly loaded config.
 
 The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`,
 `router_aux_loss_coef`, `output_router_logits`, `moe_intermediate_size`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
@@ -22,8 +25,9 @@ from transformers.activations import ACT2FN
 
 from .compat import CONFIG_MAPPING, attn_implementation
 from .layers.router import ROUTERS
+from .version import __version__
 
-# Version of the on-disk layout (`checkpoint.py`). A reader refuses a checkpoint with a newer format.
+# Version of the on-disk layout (`hf_moe.checkpoint.format`). A reader refuses a checkpoint with a newer format.
 CHECKPOINT_FORMAT_VERSION = 1
 
 
@@ -60,6 +64,8 @@ class MoEConfig(PreTrainedConfig):
             `shared_experts` of intermediate size num_shared_experts * shared_expert_intermediate_size.
         shared_expert_intermediate_size (`int`): intermediate size of one shared expert (default:
             moe_intermediate_size).
+        shared_expert_gate (`bool`): scale the shared experts' output by sigmoid(x W_g), W_g [1, H]
+            (`shared_expert_gate`), as Qwen2-MoE does (what `hf-moe merge` with `architecture: qwen` builds).
         moe_output_bias (`bool`): the block adds a bias `bias` [H] to its output (neuron-split conversions of MLPs
             with an output bias and no shared expert, where the bias must be added once whatever the routing).
         router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
@@ -102,6 +108,7 @@ class MoEConfig(PreTrainedConfig):
     router_weights: str = "softmax"
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False  # (merge, issue 21) shared experts scaled by sigmoid(x W_g), as Qwen2-MoE
     moe_output_bias: bool = False
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
@@ -125,8 +132,6 @@ class MoEConfig(PreTrainedConfig):
         kwargs.pop("model_type", None)  # always "hf_moe"; a stale base value must not shadow it
         _check_types(self)
         if self.hf_moe_format > CHECKPOINT_FORMAT_VERSION:
-            from . import __version__
-
             raise ValueError(
                 f"This config was written by a newer hf_moe (checkpoint format {self.hf_moe_format}); "
                 f"hf_moe {__version__} reads format {CHECKPOINT_FORMAT_VERSION} and older. "
@@ -251,7 +256,7 @@ _FIELD_TYPES = {
     "expert_hidden_act": _STR, "moe_output_dropout": _FLOAT, "router_type": _STR, "capacity_factor": _FLOAT,
     "eval_capacity_factor": _FLOAT, "router_jitter_noise": _FLOAT, "router_z_loss_coef": _FLOAT,
     "num_prototypes": _INT, "router_bias_update_rate": _FLOAT, "router_weights": _STR, "num_shared_experts": _INT,
-    "shared_expert_intermediate_size": _INT, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
+    "shared_expert_intermediate_size": _INT, "shared_expert_gate": _BOOL, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
     "decoder_layers_path": _STR, "moe_block_path": _STR, "hf_moe_format": _INT,
 }
 _NULLABLE = {
@@ -318,14 +323,25 @@ def _base_config_class(base_model_type: str | None) -> type[PreTrainedConfig]:
 
 
 _CONFIG_CLASSES: dict[type[PreTrainedConfig], type[MoEConfig]] = {}
+_CONFIG_CLASS_HOOKS: list[Callable[[type[MoEConfig]], None]] = []
+
+
+def add_config_class_hook(hook: Callable[[type[MoEConfig]], None]) -> None:
+    """Call `hook(cls)` for every specialised config class, those made so far and each new one.
+
+    The one extension point of this module: it lets `hf_moe.auto` register the model classes of a new base with
+    transformers' Auto classes, while this module stays below the model code (it imports nothing of it).
+    """
+    if hook in _CONFIG_CLASS_HOOKS:
+        return
+    _CONFIG_CLASS_HOOKS.append(hook)
+    for cls in list(_CONFIG_CLASSES.values()):
+        hook(cls)
 
 
 def moe_config_class(base_config_class: type[PreTrainedConfig]) -> type[MoEConfig]:
-    """The `MoEConfig` subclass that also derives from `base_config_class` (e.g. `MoELlamaConfig`).
-
-    Making one also makes (and registers with `AutoModelForCausalLM`) the matching model class, so that
-    `AutoModelForCausalLM.from_pretrained` finds it from a freshly loaded config.
-    """
+    """The `MoEConfig` subclass that also derives from `base_config_class` (e.g. `MoELlamaConfig`), made on first
+    use and announced to the hooks of `add_config_class_hook`."""
     if base_config_class in _CONFIG_CLASSES:
         return _CONFIG_CLASSES[base_config_class]
     if issubclass(base_config_class, MoEConfig):
@@ -340,9 +356,8 @@ def moe_config_class(base_config_class: type[PreTrainedConfig]) -> type[MoEConfi
     }
     cls = _CONFIG_CLASSES[base_config_class] = type(name, (MoEConfig, base_config_class), namespace)
     setattr(sys.modules[__name__], name, cls)
-    from .modeling import register_model_class  # here, not at the top: modeling imports this module
-
-    register_model_class(cls)
+    for hook in _CONFIG_CLASS_HOOKS:
+        hook(cls)
     return cls
 
 

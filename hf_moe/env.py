@@ -1,4 +1,5 @@
-"""`python -m hf_moe.env`: the environment, and which implementation each MoE op uses and why."""
+"""`python -m hf_moe.env`: the environment, which code runs by default on CUDA and why, and which implementation each
+MoE op uses and why."""
 
 from __future__ import annotations
 
@@ -30,22 +31,31 @@ def _triton() -> str:
             f"on CPU: {'interpreted' if cpu else 'no'} ({why_cpu})")
 
 
+def _cuda_default(choice: tuple[str, str]) -> str:
+    backend, why = choice
+    code = "torch ops (torch.nn.functional.grouped_mm for bf16 GEMMs on sm90)" if backend == "torch" else \
+        "hf_moe's Triton kernels"
+    return f"{code}; {why}"
+
+
 def report() -> str:
     import torch
     import transformers
 
-    import hf_moe
-    from hf_moe.ops import backend_report
+    from hf_moe.ops import backend_report, cuda_default
+    from hf_moe.version import __version__
 
     cuda = torch.cuda.is_available()
     lines = [
-        f"hf_moe        {hf_moe.__version__}",
+        f"hf_moe        {__version__}",
         f"python        {platform.python_version()} ({platform.machine()})",
         f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, threads: {torch.get_num_threads()})",
         f"transformers  {transformers.__version__}",
         f"GPU           {torch.cuda.get_device_name(0) if cuda else 'none'}",
         f"triton        {_triton()}",
         f"c++           {_tool_version(['c++', '--version'], line=0)}",
+        "",
+        f"default on CUDA: {_cuda_default(cuda_default())}",
         "",
         f"{'op':<24} {'implementation':<55} why",
     ]

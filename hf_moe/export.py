@@ -2,6 +2,8 @@
 
     llama, mistral -> mixtral     (MixtralForCausalLM; every layer MoE, renormalised top-k)
     qwen3          -> qwen3_moe   (Qwen3MoeForCausalLM; dense layers through `mlp_only_layers`)
+    llama, qwen2 with one sigmoid-gated shared expert (a merge with `architecture: qwen`)
+                   -> qwen2_moe   (Qwen2MoeForCausalLM; dense layers through `mlp_only_layers`)
     olmo2          -> flex_olmo   (FlexOlmoForCausalLM; every layer MoE)
 
 An export is offered only where the native model computes the same function as the hf_moe model: the same
@@ -12,37 +14,51 @@ else (another router, capacity and dropping, plain or biased experts, MoE in onl
 family has no dense layers, a family without a native MoE twin) is a `NativeExportError` that lists every reason
 and what would make the model fit.
 
-Route: a native config is built from the base config's fields plus the MoE fields; the native model is built from
-it on the meta device and given the hf_moe model's own tensors (shared, not copied: the names match one to one); the
-native model's own `save_pretrained` then writes the files, so they are exactly what transformers writes for that
-architecture (Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`, Qwen3-MoE's `mlp.experts.{e}.gate_proj/...`).
-The export is then loaded back from disk and run on a random probe beside the hf_moe model; the max logit
-difference goes into the model card.
+Route: a native config is built from the base config's fields plus the MoE fields (from config.json alone, so a
+model that does not fit is refused before any weight is read); the weights are then written tensor by tensor in
+the native family's on-disk layout (`hf_moe.export_files`: Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`,
+Qwen3-MoE's `mlp.experts.{e}.gate_proj/...`, what transformers' own `save_pretrained` writes), never holding the
+model: an export takes the memory of one tensor, not of the model. The export is then loaded back with transformers
+and run on a random probe after the hf_moe model (one model in memory at a time); the max logit difference goes into
+the model card.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import os
-import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoConfig, GenerationConfig, PreTrainedConfig
 
 from .checkpoint import (
-    _commit,
+    TOKENIZER_FILES,
     checkpoint_config,
+    checkpoint_file,
+    copy_files,
+    reading,
     resolve_output_directory,
     same_directory,
     staging_directory,
-    stays_inside,
+    validate_checkpoint,
 )
+from .checkpoint.commit import commit
+from .compat import MODEL_FOR_CAUSAL_LM_MAPPING
 from .configuration import MoEConfig
-from .convert.api import _logits, _probe_input
+from .export_files import (
+    DirectorySource,
+    ModelSource,
+    NativeLayout,
+    check_written,
+    native_outputs,
+    parameter_counts,
+    write_weights,
+)
+from .export_verify import dot_width, hf_moe_logits, logit_tolerance, native_logits, verified_layers
 from .model_card import render_native_card
 from .modeling import MoEForCausalLM
 
@@ -82,6 +98,7 @@ class NativeTarget:
     passed: base fields the native modeling code reads although its config class does not declare them.
     attention: base fields -> (native attention fields, problems), where the two families express attention
         differently.
+    layout: the on-disk names of the native checkpoints (the Hub's; transformers converts them on load).
     """
 
     model_type: str
@@ -93,10 +110,13 @@ class NativeTarget:
     dropped: Mapping[str, str] = field(default_factory=dict)
     passed: tuple[str, ...] = ()
     attention: Callable[[dict], tuple[dict, list[str]]] | None = None
+    layout: NativeLayout = NativeLayout(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+    shared_expert: bool = False  # one sigmoid-gated shared expert in every MoE layer (Qwen2-MoE)
 
 
 _MIXTRAL = dict(
     model_type="mixtral",
+    layout=NativeLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2"),  # the Hub's Mixtral checkpoints
     experts_field="num_local_experts",
     norm_topk_prob_field=False,
     fixed={"router_jitter_noise": 0.0},  # hf_moe's topk router has no input jitter
@@ -120,11 +140,32 @@ TARGETS: dict[str, NativeTarget] = {
     ),
     "olmo2": NativeTarget(model_type="flex_olmo"),
 }
+# One sigmoid-gated shared expert per MoE layer (hf-moe merge, architecture: qwen): Qwen2-MoE computes exactly that.
+_QWEN2_MOE = dict(
+    model_type="qwen2_moe",
+    dense_layers=True,
+    shared_expert=True,
+    layout=NativeLayout(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared_expert="shared_expert"),
+    passed=("head_dim",),
+)
+SHARED_EXPERT_TARGETS: dict[str, NativeTarget] = {
+    "llama": NativeTarget(
+        **_QWEN2_MOE,
+        fixed={"qkv_bias": False},
+        required={"attention_bias": (False, "Qwen2-MoE's output projection has no bias")},
+        dropped={"pretraining_tp": "unused by transformers 5.x's Llama",
+                 "mlp_bias": "every MLP is an expert here, and expert biases are checked as expert_bias"},
+    ),
+    "qwen2": NativeTarget(**_QWEN2_MOE, fixed={"qkv_bias": True}, attention=_uniform_attention_window,
+                          dropped={"max_window_layers": "folded into sliding_window",
+                                   "layer_types": "folded into sliding_window"}),
+}
 # Families with a native MoE relative that is NOT the same function, and why: part of the error message.
 NO_TARGET_WHY = {
-    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer. Only a zero-width one "
-    "(shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty tensors "
-    "that serving stacks are not built for; zero weights would declare a shared expert that is not there",
+    "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer, and this model has none. Only a "
+    "zero-width one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty "
+    "tensors that serving stacks are not built for; zero weights would declare a shared expert that is not there. A "
+    "merge with one gated shared expert (hf-moe merge, architecture: qwen) exports",
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",
 }
 # Keys of a config's to_dict() that describe the file, not the model.
@@ -148,17 +189,26 @@ class NativeExport:
     max_abs_logit_diff: float | None = None
     same_argmax: bool | None = None
     probe: str | None = None
+    tensors_checked: int | None = None  # tensors read back and found equal to the hf_moe model's, bit for bit
+    verified_layers: tuple[int, int] | None = None  # (decoder layers the logits were compared on, of the model's)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Does it fit?
 # --------------------------------------------------------------------------------------------------------------
+def native_target(config: MoEConfig) -> NativeTarget | None:
+    """The native family of `config`: Qwen2-MoE for a sigmoid-gated shared expert, else the base family's twin."""
+    if config.num_shared_experts and getattr(config, "shared_expert_gate", False):
+        return SHARED_EXPERT_TARGETS.get(config.base_model_type)
+    return TARGETS.get(config.base_model_type)
+
+
 def export_problems(config: MoEConfig) -> list[str]:
     """Every reason the model of `config` has no exact native twin, each with what would fix it (empty: it has)."""
-    target = TARGETS.get(config.base_model_type)
+    target = native_target(config)
     problems = [] if target is not None else [_no_target(config.base_model_type)]
     problems += _routing_problems(config, target)
-    problems += _expert_problems(config)
+    problems += _expert_problems(config, target)
     if target is not None:
         problems += _layout_problems(config, target)
         problems += _base_fields(config, target)[1]
@@ -201,7 +251,7 @@ def _routing_problems(config: MoEConfig, target: NativeTarget | None) -> list[st
     return problems
 
 
-def _expert_problems(config: MoEConfig) -> list[str]:
+def _expert_problems(config: MoEConfig, target: NativeTarget | None = None) -> list[str]:
     problems = []
     if not config.expert_glu:
         problems.append(
@@ -215,7 +265,10 @@ def _expert_problems(config: MoEConfig) -> list[str]:
         )
     if config.expert_bias:
         problems.append("expert_bias=True: native MoE experts have no biases. Only a base MLP without biases exports.")
-    if config.num_shared_experts:
+    if target is not None and target.shared_expert:
+        if config.num_shared_experts != 1:
+            problems.append(f"num_shared_experts={config.num_shared_experts}: {target.model_type} has exactly one.")
+    elif config.num_shared_experts:
         problems.append(
             f"num_shared_experts={config.num_shared_experts}: {', '.join(t.model_type for t in TARGETS.values())} "
             "have no always-active shared expert (qwen2_moe's is sigmoid-gated, a different function). Convert "
@@ -302,7 +355,7 @@ def native_config(config: MoEConfig) -> PreTrainedConfig:
             f"This {config.base_model_type} MoE model cannot be exported as a native transformers architecture:\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    target = TARGETS[config.base_model_type]
+    target = native_target(config)
     fields, _ = _base_fields(config, target)
     fields.update(target.fixed)
     fields[target.experts_field] = config.num_experts
@@ -313,6 +366,8 @@ def native_config(config: MoEConfig) -> PreTrainedConfig:
     )
     if target.norm_topk_prob_field:
         fields["norm_topk_prob"] = config.norm_topk_prob
+    if target.shared_expert:
+        fields["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
     if target.dense_layers:  # dense layers keep the base intermediate_size
         moe_layers = set(config.moe_layers)
         fields.update(
@@ -325,100 +380,81 @@ def native_config(config: MoEConfig) -> PreTrainedConfig:
     return AutoConfig.for_model(target.model_type, **fields)
 
 
-def _native_model(moe: MoEForCausalLM, config: PreTrainedConfig) -> nn.Module:
-    """The native model, built on the meta device, holding the hf_moe model's own tensors (shared, not copied).
-
-    The names match one to one (`model.layers.{i}.mlp.gate.weight`, `...mlp.experts.gate_up_proj [E, 2I, H]`,
-    `...down_proj [E, H, I]`, attention, norms, embeddings, and non-persistent buffers such as the rotary
-    `inv_freq`). Every native tensor must find a source of the same shape and every source tensor a place: a
-    leftover would be a weight the export silently drops.
-    """
-    with torch.device("meta"):
-        native = AutoModelForCausalLM.from_config(config)
-    source = {**dict(moe.named_parameters(remove_duplicate=False)), **dict(moe.named_buffers(remove_duplicate=False))}
-    slots = {}
-    for module_name, module in native.named_modules(remove_duplicate=False):
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is not None:
-                    slots[f"{module_name}.{name}" if module_name else name] = (store, name, tensor.shape)
-    missing = sorted(set(slots) - set(source))
-    unused = sorted(set(source) - set(slots))
-    shapes = [
-        f"{n}: {tuple(source[n].shape)} -> {tuple(shape)}"
-        for n, (_, _, shape) in slots.items()
-        if n in source and source[n].shape != shape
-    ]
-    if missing or unused or shapes:
-        raise NativeExportError(
-            f"The {type(native).__name__} built from the exported config does not hold exactly the hf_moe model's "
-            f"tensors (this is a bug in hf_moe's export; please report it). Without a source: {missing[:8]}; "
-            f"without a place: {unused[:8]}; shape mismatches: {shapes[:8]}."
-        )
-    for name, (store, attr, _) in slots.items():
-        store[attr] = source[name]
-    if moe.generation_config is not None:
-        native.generation_config = copy.deepcopy(moe.generation_config)
-    return native
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Export
 # --------------------------------------------------------------------------------------------------------------
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-)
-
-
 def export_native(
     moe_model_or_dir: MoEForCausalLM | str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    verify: bool = True,
+    verify: bool | str = True,
     max_shard_size: int | str = "5GB",
 ) -> NativeExport:
     """Write an hf_moe model as the closest native transformers MoE architecture that computes the same function.
 
     Args:
-        moe_model_or_dir: an `MoEForCausalLM`, or a directory saved by hf_moe.
+        moe_model_or_dir: an `MoEForCausalLM`, or a directory saved by hf_moe (its files are verified against their
+            checksums first, as on every load).
         out_dir: the output directory. Written atomically; unrelated files already there are kept.
-        verify: load the written files back with transformers and compare their logits with the hf_moe model's on a
-            2x16 random probe; the difference goes into the model card, and in fp32 a difference beyond rounding is
-            an error. Loading needs memory for a second copy of the model: pass False to skip for very large models.
-        max_shard_size: passed to the native `save_pretrained`.
+        verify: True (default): read every tensor written back and compare it with the hf_moe model's, bit for bit,
+            and compare the logits of the hf_moe model and of the export loaded by plain transformers, both cut to
+            their first decoder layers, on a 2x16 random probe (see `hf_moe.export_verify`). "full": compare the
+            whole models' logits (one loaded after the other; about twice the model's size in memory). False: no
+            check. In fp32 and fp64 a difference beyond `hf_moe.export_verify.logit_tolerance` (fp32 rounding) is an
+            error; the measured difference goes into the model card.
+        max_shard_size: the largest weight file, as for `save_pretrained`.
     Returns:
-        A `NativeExport` (path, model type, architecture, measured difference).
+        A `NativeExport` (path, model type, architecture, what was checked and the measured difference).
     Raises:
         NativeExportError: listing every reason the model has no exact native twin, and what would fix each.
 
-    The folder holds config.json, generation_config.json, the safetensors weights in the native layout, the base
-    model's tokenizer files when the source has them, and a README.md model card. It loads with
+    The weights are written tensor by tensor (`hf_moe.export_files`): exporting a directory never holds the model,
+    and takes at most 1.5x the model's size in memory with the default check (docs/exporting.md). The folder holds
+    config.json, generation_config.json, the safetensors weights in the native layout, the base model's tokenizer
+    files when the source has them, and a README.md model card. It loads with
     `AutoModelForCausalLM.from_pretrained(out_dir)` in plain transformers, without hf_moe.
     """
+    if verify not in (True, False, "full"):
+        raise ValueError(f"verify must be True, False or 'full', got {verify!r}.")
     target = resolve_output_directory(out_dir, "Cannot export to")
     moe, source_dir = _source(moe_model_or_dir, target)
+    with reading(source_dir) if moe is None else contextlib.nullcontext():  # one checkpoint, even during a save
+        return _export(moe, source_dir, target, verify, max_shard_size)
+
+
+def _export(moe: MoEForCausalLM | None, source_dir: str | None, target: Path, verify: bool | str,
+            max_shard_size: int | str) -> NativeExport:
     # Every reason it cannot export, from config.json alone: before any weight is read or anything written.
-    config = native_config(moe.config if moe is not None else checkpoint_config(source_dir))
-    if moe is None:  # (its checksums verified, as on every load: a corrupt input is refused, not exported)
-        moe = MoEForCausalLM.from_pretrained(source_dir, dtype="auto")
+    config = moe.config if moe is not None else checkpoint_config(source_dir)
+    native = native_config(config)
+    if moe is None:
+        validate_checkpoint(source_dir, verify_checksums=None)  # a corrupt input is refused, not exported
+        source = DirectorySource(Path(source_dir))
+        dtype = _config_dtype(config, source)
+    else:
+        source = ModelSource(moe)
+        dtype = moe.dtype
+    native.architectures = [_native_class(native).__name__]
+    native.dtype = str(dtype).removeprefix("torch.")
 
     with staging_directory(target) as staging:
-        native = _native_model(moe, config)
-        native.save_pretrained(staging, max_shard_size=max_shard_size)
-        result = NativeExport(target, config.model_type, type(native).__name__)
-        del native
-        _copy_tokenizer_files(source_dir or moe.config.name_or_path, staging)
+        outputs = native_outputs(source.shapes, config, native_target(config).layout)
+        write_weights(source, outputs, staging, max_shard_size)
+        native.save_pretrained(staging)
+        _generation_config(moe, source_dir, native).save_pretrained(staging)
+        _copy_tokenizer_files(source_dir or (moe.config.name_or_path if moe is not None else None), staging)
+        result = NativeExport(target, native.model_type, native.architectures[0])
         if verify:
-            _measure(moe, staging, result)
-        (staging / "README.md").write_text(render_native_card(moe, config, result))
-        _commit(staging, target)
+            _verify(source, outputs, config, native, staging, dtype, verify == "full", result)
+        counts = moe.parameter_counts() if moe is not None else parameter_counts(source.shapes, config)
+        (staging / "README.md").write_text(render_native_card(config, counts, dtype, native, result))
+        commit(staging, target)
     return result
 
 
 def _source(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM | None, str | None]:
-    """The hf_moe model if one was passed (else None: it is loaded once the config is known to export), and the
-    directory it came from (for its tokenizer files), if any. The export must not replace that directory."""
+    """The hf_moe model if one was passed (else None: the export reads the directory), and the directory it came
+    from (for its tokenizer files), if any. The export must not replace that directory."""
     if isinstance(moe_model_or_dir, MoEForCausalLM):
         model, path = moe_model_or_dir, moe_model_or_dir.config.name_or_path
         path = path if path and os.path.isdir(path) else None
@@ -436,39 +472,78 @@ def _source(moe_model_or_dir, target: Path) -> tuple[MoEForCausalLM | None, str 
     return model, path
 
 
+def _native_class(config: PreTrainedConfig) -> type:
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return model_class[0] if isinstance(model_class, (list, tuple)) else model_class
+
+
+def _config_dtype(config: MoEConfig, source: DirectorySource) -> torch.dtype:
+    """The dtype the checkpoint was saved in (config.json's `dtype`, else that of most of its bytes)."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else source.reader.float_dtype()
+
+
+def _generation_config(moe: MoEForCausalLM | None, source_dir: str | None, native: PreTrainedConfig):
+    """The hf_moe model's generation config (its generation_config.json, else the one its config implies), as
+    `save_pretrained` of the native model writes it."""
+    if moe is not None and moe.generation_config is not None:
+        return moe.generation_config
+    if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
+        checkpoint_file(source_dir, "generation_config.json", "the export")  # a link out of the directory is refused
+        return GenerationConfig.from_pretrained(source_dir)
+    return GenerationConfig.from_model_config(native)
+
+
 def _copy_tokenizer_files(source_dir: str | None, out: Path) -> None:
     """Copy the tokenizer files of `source_dir` byte for byte (a round trip through a tokenizer class could change
-    them)."""
+    them), through the guarded opener: a link out of the checkpoint, a FIFO or an oversized file is left out, with
+    a warning."""
     if not source_dir or not os.path.isdir(source_dir):
         return
-    for name in TOKENIZER_FILES:
-        path = Path(source_dir) / name
-        if path.is_file() and stays_inside(source_dir, path):  # (a link out of the checkpoint is not followed)
-            shutil.copy2(path, out / name)
+    _, refused = copy_files(source_dir, TOKENIZER_FILES, out, "the checkpoint")
+    for line in refused:
+        warnings.warn(f"A tokenizer file was not exported: {line}", stacklevel=3)
 
 
-@torch.no_grad()
-def _measure(moe: MoEForCausalLM, directory: Path, result: NativeExport) -> None:
-    """Load `directory` with transformers and compare its logits with the hf_moe model's on a random probe.
+# --------------------------------------------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------------------------------------------
+def _verify(source, outputs, config: MoEConfig, native: PreTrainedConfig, directory: Path, dtype: torch.dtype,
+            full: bool, result: NativeExport) -> None:
+    """Check the export (see `hf_moe.export_verify`) and record what was found in `result`.
 
-    In fp32 (and fp64) the two compute the same function up to summation order, so a difference beyond
-    1e-4 * max(1, max |logit|) means the export is wrong: an error rather than a card that says otherwise. In half
-    precision the routers round their logits differently (see the card), so the difference is recorded, not judged.
+    A tensor that differs from its source, a tensor transformers does not find or does not use, or in fp32 (and
+    fp64) a logit difference beyond `logit_tolerance` (what rounding explains), means the export is wrong: an error
+    rather than a card that says otherwise. In half precision the routers round their logits differently (see the card), so the difference
+    is recorded, not judged.
     """
-    probe = _probe_input(moe)
-    if probe is None:  # the model is on the meta device
-        return
-    native = AutoModelForCausalLM.from_pretrained(directory, dtype=moe.dtype).to(probe.device)
-    expected, got = _logits(moe, probe), _logits(native, probe)
-    del native
+    wrong = check_written(source, outputs, directory)
+    if wrong:
+        raise NativeExportError(
+            f"{len(wrong)} tensors of the export differ from the hf_moe model's after writing ({wrong[:6]}): the disk "
+            "or the file system corrupted them. Nothing was exported; try again, on another disk if it recurs."
+        )
+    result.tensors_checked = len(outputs)
+    n = verified_layers(config, full)
+    probe, expected = hf_moe_logits(source, config, n, dtype)
+    got, problems = native_logits(directory, native, n, dtype, probe)
+    if problems:
+        raise NativeExportError(
+            f"transformers does not read the exported {result.architecture} as the hf_moe model: tensors {problems}. "
+            "This is a bug in hf_moe's export; please report it with the model's config.json."
+        )
+    result.verified_layers = (n, config.num_hidden_layers)
     result.max_abs_logit_diff = (got - expected).abs().max().item()
     result.same_argmax = bool(torch.equal(got.argmax(-1), expected.argmax(-1)))
-    dtype = str(moe.dtype).removeprefix("torch.")
-    result.probe = f"{probe.shape[0]}x{probe.shape[1]} random tokens, {dtype}, eval mode"
-    bound = 1e-4 * max(1.0, expected.abs().max().item())
-    if moe.dtype in (torch.float32, torch.float64) and not result.max_abs_logit_diff <= bound:
+    result.probe = f"{probe.shape[0]}x{probe.shape[1]} random tokens, {str(dtype).removeprefix('torch.')}, eval mode"
+    width = dot_width(config)
+    bound = logit_tolerance(expected.abs().max().item(), width)
+    if dtype in (torch.float32, torch.float64) and not result.max_abs_logit_diff <= bound:
         raise NativeExportError(
             f"The exported {result.architecture} does not reproduce the hf_moe model: max |logit difference| "
-            f"{result.max_abs_logit_diff:.3e} on a random probe (allowed {bound:.1e} in fp32). This is a bug in "
+            f"{result.max_abs_logit_diff:.3e} on a random probe through {n} of {config.num_hidden_layers} layers, "
+            f"allowed {bound:.1e} (8 * 2**-24 * sqrt({width}) * max(1, max |logit|): rounding). This is a bug in "
             "hf_moe's export; please report it with the model's config.json."
         )

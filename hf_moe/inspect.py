@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import _EXPERT_KEY, checkpoint_file, read_index, read_safetensors_header, validate_checkpoint
+from .checkpoint import EXPERT_KEY, INDEX_NAME, load_tokenizer, read_index, read_json, reading, validate_checkpoint
+from .checkpoint.headers import read_header
 from .model_card import block_diff_text
 
 
@@ -35,14 +35,16 @@ class CheckpointSummary:
 def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
     """Validate the directory (nothing outside it is read), then count parameters and describe each file."""
     directory = Path(directory)
-    validate_checkpoint(directory)
-    config = json.loads(checkpoint_file(directory, "config.json", "the checkpoint").read_text())
-    weight_map, _ = read_index(directory)
+    with reading(directory):  # (a save into it meanwhile waits)
+        validate_checkpoint(directory)
+        config = read_json(directory, "config.json", "the checkpoint")
+        weight_map, _ = read_index(directory)
+        headers = {name: read_header(directory, name, INDEX_NAME)[0] for name in sorted(set(weight_map.values()))}
     shards: dict[str, ShardInfo] = {}
     total = expert = 0
-    for filename in sorted(set(weight_map.values())):
+    for filename, header in headers.items():
         info = shards[filename] = ShardInfo(filename)
-        for key, meta in read_safetensors_header(checkpoint_file(directory, filename, "the index")).items():
+        for key, meta in header.items():
             if key == "__metadata__":
                 continue
             numel = math.prod(meta["shape"])
@@ -50,7 +52,7 @@ def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
             info.num_tensors += 1
             info.num_bytes += end - begin
             total += numel
-            match = _EXPERT_KEY.match(key)
+            match = EXPERT_KEY.match(key)
             if match:
                 expert += numel
                 info.experts.add(int(match["expert"]))
@@ -126,6 +128,8 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
         lines.append(f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a random probe")
     elif "max_abs_block_diff" in conv:
         lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {block_diff_text(conv)} per layer")
+    elif "max_abs_expert_diff" in conv:
+        lines.append(f"  conversion       {method}: every expert within {conv['max_abs_expert_diff']:.2e} of its source MLP")
     elif conv:
         lines.append(f"  conversion       {method}")
     return "\n".join(lines)
@@ -135,35 +139,100 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Routing over a text file
 # --------------------------------------------------------------------------------------------------------------
-def routing_summary(directory: str | Path, data_file: str | Path, max_tokens: int = 4096, block_size: int = 256):
-    """Run the saved model (eval mode) over the first `max_tokens` tokens of a text file and summarise, per MoE
-    layer, how its router spread them (see `RoutingStats.summary`). Returns (config, summary, tokens read)."""
+def _read_ids(tokenizer, data_file: Path, max_tokens: int) -> list[int]:
+    if not data_file.is_file():
+        raise FileNotFoundError(f"--data {data_file}: no such file.")
+    ids = tokenizer(data_file.read_text(errors="replace"))["input_ids"][:max_tokens]
+    if not ids:
+        raise ValueError(f"{data_file} has no text to route.")
+    return ids
+
+
+def _route_files(directory, data_files, max_tokens: int, block_size: int):
+    """(config, {file: (RoutingStats, first-choice counts [layers, E], tokens)}) of the saved model over each file."""
     import torch
-    from transformers import AutoTokenizer
 
     from .modeling import MoEForCausalLM
     from .routing import RoutingStats
 
-    data_file = Path(data_file)
-    if not data_file.is_file():
-        raise FileNotFoundError(f"--data {data_file}: no such file.")
+    files = [Path(f) for f in ([data_file for data_file in data_files] if isinstance(data_files, (list, tuple))
+                               else [data_files])]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"--data {f}: no such file.")
     model = MoEForCausalLM.from_pretrained(directory).eval()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except Exception as err:
-        raise FileNotFoundError(f"{directory} has no tokenizer to read {data_file} with ({err}).") from None
-    ids = tokenizer(data_file.read_text(errors="replace"))["input_ids"][:max_tokens]
-    if not ids:
-        raise ValueError(f"{data_file} has no text to route.")
-    stats = RoutingStats(len(model.config.moe_layers), model.config.num_experts, torch.device("cpu"))
+        tokenizer = load_tokenizer(directory)
+    except Exception as err:  # noqa: BLE001 - no tokenizer, or one that does not load
+        raise FileNotFoundError(f"{directory} has no tokenizer to read {files[0]} with ({err}).") from None
+    layers, experts = len(model.config.moe_layers), model.config.num_experts
     zero = torch.zeros(())
-    with torch.no_grad():
-        for start in range(0, len(ids), block_size):
-            with model.base_model.router_recorder.recording() as routings:
-                model(torch.tensor([ids[start : start + block_size]]))
-            for layer, routing in enumerate(routings):
-                stats.add(layer, routing, None, zero)
-    return model.config, stats.summary(), len(ids)
+    out = {}
+    for f in files:
+        ids = _read_ids(tokenizer, f, max_tokens)
+        stats = RoutingStats(layers, experts, torch.device("cpu"))
+        first = torch.zeros(layers, experts, dtype=torch.float64)
+        with torch.no_grad():
+            for start in range(0, len(ids), block_size):
+                with model.base_model.router_recorder.recording() as routings:
+                    model(torch.tensor([ids[start : start + block_size]]))
+                for layer, routing in enumerate(routings):
+                    stats.add(layer, routing, None, zero)
+                    if routing.top_k_index is not None:
+                        choice = routing.top_k_index[:, 0]
+                        first[layer] += torch.bincount(choice[choice >= 0], minlength=experts).double()
+        out[str(f)] = (stats, first, len(ids))
+    return model.config, out
+
+
+def routing_summary(directory: str | Path, data_file, max_tokens: int = 4096, block_size: int = 256):
+    """Run the saved model (eval mode) over the first `max_tokens` tokens of a text file (or of each of several) and
+    summarise, per MoE layer, how its router spread them (see `RoutingStats.summary`). Returns (config, summary,
+    tokens read)."""
+    config, per_file = _route_files(directory, data_file, max_tokens, block_size)
+    stats = list(per_file.values())
+    total = stats[0][0]
+    for other, _, _ in stats[1:]:
+        for name in total._TENSORS:
+            setattr(total, name, getattr(total, name) + getattr(other, name))
+        total.forwards += other.forwards
+    return config, total.summary(), sum(n for _, _, n in stats)
+
+
+def domain_routing(directory: str | Path, data_files: list, max_tokens: int = 4096, block_size: int = 256):
+    """Which expert each domain's tokens go to: (config, {file: ([layers, E] shares of the tokens' first choices,
+    tokens)}), one file per domain."""
+    config, per_file = _route_files(directory, list(data_files), max_tokens, block_size)
+    shares = {}
+    for name, (_, first, tokens) in per_file.items():
+        shares[name] = ((first / first.sum(1, keepdim=True).clamp_min(1)).tolist(), tokens)
+    return config, shares
+
+
+def format_domain_routing(config, shares: dict) -> str:
+    """Per MoE layer and domain: the share (%) of the domain's tokens whose first choice is each expert, and the
+    expert most of them go to (named by its source model for a merged model)."""
+    experts = config.num_experts
+    shown = min(experts, 16)
+    recipe = (config.moe_conversion or {}).get("recipe") or {}
+    names = [Path(e.get("source_model", "")).name for e in recipe.get("experts", [])]
+    width = max(12, *(len(Path(f).name) for f in shares))
+    head = " ".join(f"{f'e{e}':>5}" for e in range(shown)) + (" ..." if experts > shown else "")
+    lines = [
+        "routing by domain: share (%) of each domain's tokens whose first choice is each expert"
+        + (f" (experts: {', '.join(f'e{i}={n}' for i, n in enumerate(names))})" if names else ""),
+        f"{'layer':>5} {'domain':<{width}} {head}  top",
+    ]
+    for index, layer in enumerate(config.moe_layers):
+        for name, (per_layer, _) in shares.items():
+            row = per_layer[index]
+            top = max(range(experts), key=row.__getitem__)
+            label = f"e{top}" + (f" ({names[top]})" if top < len(names) else "")
+            cells = " ".join(f"{100 * v:5.1f}" for v in row[:shown]) + (" ..." if experts > shown else "")
+            lines.append(f"{layer:>5} {Path(name).name:<{width}} {cells}  {label} {100 * row[top]:.0f}%")
+    tokens = ", ".join(f"{Path(n).name} {t}" for n, (_, t) in shares.items())
+    lines.append(f"tokens read: {tokens}")
+    return "\n".join(lines)
 
 
 def format_routing(config, summary: list[dict], num_tokens: int) -> str:

@@ -57,3 +57,27 @@ def router_z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None =
     z = torch.logsumexp(router_logits.float(), dim=-1) ** 2  # [N]
     weight = _token_weight(z.shape[0], token_mask, z.device)
     return (z * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `output` forward; backward also sends a gradient of 1 to `aux_loss` (Megatron-Core's
+    `MoEAuxLossAutoScaler`)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """`output`, unchanged, carrying `aux_loss` (a scalar, its coefficients included) into the backward: whatever
+    loss is computed from `output`, its backward also differentiates `aux_loss`, as if it had been added to that
+    loss once. For trainers that compute their loss from a model's logits and would drop the routers' losses
+    (TRL's `RewardTrainer`). A trainer that scales its loss (gradient accumulation, fp16 loss scaling) does not
+    scale this term."""
+    return _AttachAuxLoss.apply(output, aux_loss)

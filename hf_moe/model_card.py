@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
+
+from .version import __version__
 
 _MARKER = "<!-- hf_moe model card:"
 _HERE = Path(__file__).resolve().parent
@@ -17,6 +21,36 @@ def block_diff_text(conv: dict) -> str:
     if "max_abs_mlp_output" in conv:
         text += f" (dense MLP outputs up to {conv['max_abs_mlp_output']:.2g})"
     return text
+
+
+# A Hub repository id: "namespace/name" (the one-part ids of the oldest models now redirect to such a name).
+_HUB_ID = re.compile(r"(?!.*(?:--|\.\.))[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+_HUB_CACHE = re.compile(r"models--(?P<org>[\w.-]+?)--(?P<name>[\w.-]+)/snapshots/[^/]+/?")
+
+
+def hub_model_id(name) -> str | None:
+    """`name` as a Hugging Face Hub model id when it names one, else None.
+
+    An id has the Hub's form ("HuggingFaceTB/SmolLM2-135M-Instruct") and is not a path that exists here; a snapshot
+    in the Hub cache (`.../models--org--name/snapshots/<hash>`) is that repository's id. Anything else (a local
+    directory, a model built from a config) has no id: recording its path as `base_model` would make tools that
+    read model cards (llama.cpp's converter, the Hub) link to a repository that does not exist.
+    """
+    if not isinstance(name, str) or not name:
+        return None
+    cached = _HUB_CACHE.search(name)
+    if cached:
+        return f"{cached['org']}/{cached['name']}"
+    if os.path.exists(name):
+        return None
+    return name if _HUB_ID.fullmatch(name) else None
+
+
+def _base_model_line(conv: dict) -> str:
+    """The front matter's `base_model:` line: only for a Hub id, decided at conversion (`base_model_hub_id`, where
+    the path could be checked) or, for checkpoints converted before it was recorded, from the name now."""
+    hub_id = conv["base_model_hub_id"] if "base_model_hub_id" in conv else hub_model_id(conv.get("base_model"))
+    return f"base_model: {hub_id}\n" if hub_id else ""
 
 
 def _template(name: str = "moe_model_card.md") -> str:
@@ -46,8 +80,6 @@ def _weighting(config) -> str:
 
 def render_model_card(model) -> str:
     """Fill the template from the model's config and parameter counts."""
-    from . import __version__
-
     c = model.config
     conv = dict(c.moe_conversion or {})
     counts = model.parameter_counts()
@@ -65,11 +97,17 @@ def render_model_card(model) -> str:
             f"every MoE block's output differs from the dense MLP's by at most {block_diff_text(conv)}; "
             f"streaming conversion, probe: {conv.get('probe', 'random')}"
         )
+    elif "max_abs_expert_diff" in conv:  # a merge (hf_moe/convert/merge.py)
+        exactness = (
+            f"every expert reproduces its source model's MLP within {conv['max_abs_expert_diff']:.2e} (outputs up to "
+            f"{conv.get('max_abs_mlp_output', float('nan')):.2g}) on a random probe, as written to disk"
+        )
     else:
         exactness = "not measured"
     return _template().format(
         title=f"{base_model.rstrip('/').split('/')[-1]} MoE: {c.num_experts} experts, top-{c.num_experts_per_tok}",
         base_model=base_model,
+        base_model_line=_base_model_line(conv),
         license=conv.get("license") or "other",
         hf_moe_version=__version__,
         base_architecture=model.base_model_class.__name__,
@@ -94,14 +132,29 @@ def render_model_card(model) -> str:
     )
 
 
-def render_native_card(model, native_config, export) -> str:
-    """The model card of a native export (`hf_moe.export_native`): `model` is the hf_moe model exported,
-    `native_config` the native config written, `export` the `NativeExport` (with the measured logit difference)."""
-    from . import __version__
+def _export_exactness(export) -> str:
+    """What the export's check found (`hf_moe.export_native(verify=...)`)."""
+    if export.max_abs_logit_diff is None:
+        return "the same function as the hf_moe model by construction; not measured at export"
+    n, total = export.verified_layers
+    where = "the whole model" if n == total else (
+        f"its first {n} of {total} decoder layers with the embeddings, final norm and LM head (every layer's tensors "
+        "are read by the same names)"
+    )
+    return (
+        f"every tensor equals the hf_moe model's, bit for bit (all {export.tensors_checked} read back after writing); "
+        f"loaded with plain transformers, {where} gives the hf_moe model's logits within "
+        f"{export.max_abs_logit_diff:.2e} on a random probe ({export.probe}); greedy tokens "
+        f"{'equal' if export.same_argmax else 'DIFFER'}"
+    )
 
-    c = model.config
+
+def render_native_card(config, counts: dict, dtype, native_config, export) -> str:
+    """The model card of a native export (`hf_moe.export_native`): `config` is the exported hf_moe model's
+    MoEConfig, `counts` its `parameter_counts()`, `dtype` its dtype, `native_config` the native config written, and
+    `export` the `NativeExport` (with the measured logit difference)."""
+    c = config
     conv = dict(c.moe_conversion or {})
-    counts = model.parameter_counts()
     base_model = conv.get("base_model") or "unknown"
     options = ", ".join(f"{k}={v}" for k, v in sorted(conv.get("options", {}).items()))
     conversion = f"`{conv.get('method', 'unknown')}`" + (f" ({options})" if options else "")
@@ -115,14 +168,7 @@ def render_native_card(model, native_config, export) -> str:
         f"{len(c.moe_layers)} of {num_layers}: {', '.join(map(str, c.moe_layers))}; dense MLP in "
         f"{', '.join(map(str, dense))} (`mlp_only_layers`)"
     )
-    if export.max_abs_logit_diff is not None:
-        exactness = (
-            f"reproduces the hf_moe model's logits: these files, loaded with plain transformers, differ from the "
-            f"hf_moe model by at most {export.max_abs_logit_diff:.2e} on a random probe ({export.probe}); greedy tokens "
-            f"{'equal' if export.same_argmax else 'DIFFER'}"
-        )
-    else:
-        exactness = "the same function as the hf_moe model by construction; not measured at export"
+    exactness = _export_exactness(export)
     license_id = conv.get("license")
     notes = ""
     if c.router_z_loss_coef:
@@ -136,6 +182,7 @@ def render_native_card(model, native_config, export) -> str:
         model_type=export.model_type,
         architecture=export.architecture,
         base_model=base_model,
+        base_model_line=_base_model_line(conv),
         base_model_type=c.base_model_type,
         license_line=f"license: {license_id}\n" if license_id else "",
         license_text=f"`{license_id}`, the base model's" if license_id else (
@@ -151,7 +198,7 @@ def render_native_card(model, native_config, export) -> str:
         active_params=_millions(counts["active"]),
         conversion=conversion,
         exactness=exactness,
-        dtype=str(model.dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
         path_hint="path/to/this/folder",
         aux_coef=native_config.router_aux_loss_coef,
         extra_notes=notes,

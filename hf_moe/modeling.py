@@ -1,18 +1,22 @@
-"""`MoEForCausalLM`: a base causal LM with MoE blocks in place of some of its MLPs.
+"""The MoE models: a base model's head (causal LM, sequence or token classification) over its backbone with MoE
+blocks in place of some of its MLPs.
 
 The model *is* the base architecture: `MoEForCausalLM(config)` returns an instance of a subclass of both
 `MoEForCausalLM` and the base model's causal-LM class (`MoELlamaForCausalLM` derives from `LlamaForCausalLM`), and
-its backbone is an instance of a subclass of the base backbone (`MoELlamaModel` derives from `LlamaModel`).
-Attention, caches, generation, gradient checkpointing and `device_map` are the base model's own code; only the
-chosen MLP modules are swapped for `SparseMoeBlock`s. As in transformers' own MoE models, the backbone returns a
-`MoeModelOutputWithPast` with each MoE layer's `router_logits` when asked (`output_router_logits`), and the
-causal-LM head adds the load-balancing and z losses and returns a `MoeCausalLMOutputWithPast`.
+its backbone is an instance of a subclass of the base backbone (`MoELlamaModel` derives from `LlamaModel`, see
+backbone.py). Attention, caches, generation, gradient checkpointing and `device_map` are the base model's own code;
+only the chosen MLP modules are swapped for `SparseMoeBlock`s. As in transformers' own MoE models, the backbone
+returns a `MoeModelOutputWithPast` with each MoE layer's `router_logits` when asked (`output_router_logits`), and
+the head adds the load-balancing and z losses in training.
+
+The other heads work the same way (`MoEForSequenceClassification` over `LlamaForSequenceClassification`, ...), so
+reward models and classifiers are MoE models too. The specialised classes are made on first use, one per base head
+class (`moe_model_class`); `hf_moe.auto` registers them with transformers' Auto classes.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import os
 import sys
@@ -20,18 +24,34 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import transformers
-from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from torch.distributed.tensor import DTensor
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import (
+    MoeCausalLMOutputWithPast, SequenceClassifierOutputWithPast, TokenClassifierOutput,
+)
 
-from .compat import MODEL_FOR_CAUSAL_LM_MAPPING, register_output_recording
+from . import parallel
+from .backbone import install_moe_blocks, wrap_forward
+from .checkpoint import reading as checkpoint_reading  # (hf_moe/checkpoint/snapshot.py)
+from .checkpoint import (
+    local_expert_view, missing_keys_error, recover_interrupted_commit, save_checkpoint, validate_checkpoint,
+)
+from .compat import (
+    MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+)
 from .configuration import MoEConfig, _base_config_class, moe_config_class
-from .layers import RouterOutput, SparseMoeBlock
+from .layers import SparseMoeBlock
 from .layers.router import AuxFreeRouter
-from .routing import RouterRecorder, RoutingStats, moe_blocks, routing_losses, token_mask
+from .losses import attach_aux_loss
+from .offload import load_offloaded
+from .routing import RoutingStats, moe_blocks, routing_losses, token_mask
 from .training import aux_free
 
+
+# --------------------------------------------------------------------------------------------------------------
+# Outputs: transformers' own, plus the routers' losses and logits
+# --------------------------------------------------------------------------------------------------------------
 @dataclass
 class MoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """transformers' `MoeCausalLMOutputWithPast`, plus the router z-loss.
@@ -41,6 +61,25 @@ class MoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     """
 
     z_loss: torch.FloatTensor | None = None
+
+
+@dataclass
+class MoESequenceClassifierOutputWithPast(SequenceClassifierOutputWithPast):
+    """transformers' `SequenceClassifierOutputWithPast`, plus `aux_loss`, `z_loss` and `router_logits` (as in
+    `MoECausalLMOutputWithPast`)."""
+
+    aux_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class MoETokenClassifierOutput(TokenClassifierOutput):
+    """transformers' `TokenClassifierOutput`, plus `aux_loss`, `z_loss` and `router_logits`."""
+
+    aux_loss: torch.FloatTensor | None = None
+    z_loss: torch.FloatTensor | None = None
+    router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
@@ -55,28 +94,34 @@ _LOADING_KWARGS = frozenset(inspect.signature(PreTrainedModel.from_pretrained).p
 }
 
 
-class MoEForCausalLM(PreTrainedModel, GenerationMixin):
-    """A causal LM whose chosen MLP blocks are Mixture-of-Experts blocks.
+# --------------------------------------------------------------------------------------------------------------
+# What every head shares: construction, loading and saving, the routers' losses
+# --------------------------------------------------------------------------------------------------------------
+class MoEPreTrainedModel(PreTrainedModel):
+    """The part every MoE head shares. Subclasses name the transformers head they wrap (`head_mapping`, e.g.
+    `MODEL_FOR_CAUSAL_LM_MAPPING`) and the output they return.
 
-    `MoEForCausalLM(config)`, `MoEForCausalLM.from_pretrained(path)` and
-    `AutoModelForCausalLM.from_pretrained(path)` (after `import hf_moe`) all return an instance of the
-    specialised subclass for the base architecture, so `isinstance(model, MoEForCausalLM)` always holds.
-
-    Build one from a dense model with `hf_moe.convert_to_moe`.
+    `MoEForCausalLM(config)`, `MoEForCausalLM.from_pretrained(path)` and `AutoModelForCausalLM.from_pretrained(path)`
+    (after `import hf_moe`) all return an instance of the specialised subclass for the base architecture, so
+    `isinstance(model, MoEForCausalLM)` always holds; the same for the other heads.
     """
 
     config_class = MoEConfig
-    # The base model's causal-LM class; set on the specialised subclasses only.
+    head_mapping = None  # transformers' mapping from a base config class to this head's class
+    output_class = None  # the dataclass `forward` returns
+    # The base model's head class; set on the specialised subclasses only.
     base_model_class: type[PreTrainedModel] | None = None
 
     def __new__(cls, config=None, *args, **kwargs):
         if cls.base_model_class is None:
-            cls = moe_model_class_for_config(config)
+            cls = moe_model_class_for_config(config, cls)
         return super().__new__(cls)
 
-    def __init__(self, config: MoEConfig, *args, **kwargs):
+    def __init__(self, config: MoEConfig, *args, expert_range: tuple[int, int] | None = None, **kwargs):
+        """`expert_range` (start, end): build only experts [start, end) of every MoE layer (one process's block
+        under expert parallelism; `from_pretrained(expert_parallel=True)` passes it)."""
         super().__init__(config, *args, **kwargs)  # the base architecture, dense MLPs included
-        install_moe_blocks(self, config)  # new blocks initialise themselves (see `reset_parameters`)
+        install_moe_blocks(self, config, expert_range=expert_range)  # new blocks initialise themselves
         self.post_init()  # recomputes the tied-weight map and the other per-model properties
         aux_free.track(self)
 
@@ -87,15 +132,15 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         `auto_map` always points at the small shim `hf_moe.checkpoint` writes, which imports the installed package."""
 
     # ----------------------------------------------------------------------------------------------------------
-    # Construction
+    # Construction and loading
     # ----------------------------------------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, model: PreTrainedModel, config: MoEConfig, blocks: dict[int, SparseMoeBlock]):
-        """Turn a dense causal LM into an MoE model in place and return it.
+        """Turn a dense model into an MoE model in place and return it.
 
         As with FastMoE's `fmoefy` or PEFT's `get_peft_model`, `model` itself becomes the MoE model: its
-        attention, embeddings, norms, buffers, dtype and device placement are kept as they are, and the MLPs of
-        `config.moe_layers` are replaced by `blocks` (layer index -> block).
+        attention, embeddings, norms, head, buffers, dtype and device placement are kept as they are, and the MLPs
+        of `config.moe_layers` are replaced by `blocks` (layer index -> block).
         """
         moe_class = moe_model_class(type(model))
         old_config = model.config
@@ -130,42 +175,63 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         they do so also when an explicit `config=` is passed (on a copy of it).
 
         With `expert_parallel=True` (under torchrun / accelerate launch) each rank builds and reads only its own
-        block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`).
+        block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`). With
+        `offload_experts="disk"|"cpu"` and `max_expert_memory`, the experts stay in their files and are read on
+        demand into a bounded cache (`hf_moe.offload`).
         """
-        from .checkpoint import missing_keys_error, recover_interrupted_commit, validate_checkpoint
-
         if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
-            from .offload import load_offloaded  # experts read on demand into a bounded cache (hf_moe/offload)
-
-            return load_offloaded(cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs)
+            return load_offloaded(
+                cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs
+            )
         path = os.fspath(pretrained_model_name_or_path)
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
         verify_checksums = kwargs.pop("verify_checksums", None)
-        if not kwargs.pop("_validated", False) and (os.path.isdir(local_dir) or recover_interrupted_commit(path)):
-            # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
-            validate_checkpoint(local_dir, verify_checksums=False if expert_parallel else verify_checksums)
-        if expert_parallel:
-            return cls._from_pretrained_expert_parallel(
-                local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
+        with checkpoint_reading(local_dir):  # checks and load see one checkpoint: a save into it waits
+            if not kwargs.pop("_validated", False) and (os.path.isdir(local_dir) or recover_interrupted_commit(path)):
+                # (under expert parallelism each rank hashes only the files it reads: see local_expert_view)
+                validate_checkpoint(
+                    local_dir, verify_checksums=False if expert_parallel else verify_checksums, model_class=cls
+                )
+            if expert_parallel:
+                return cls._from_pretrained_expert_parallel(
+                    local_dir, model_args, kwargs, expert_parallel_size, process_group, verify_checksums
+                )
+            if isinstance(kwargs.get("config"), MoEConfig):
+                kwargs["config"] = _with_config_kwargs(kwargs["config"], kwargs)
+            cls = cls._specialised_for(path, kwargs)
+            output_loading_info = kwargs.pop("output_loading_info", False)
+            model, info = super(MoEPreTrainedModel, cls).from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
+        missing = model._missing_saved_keys(info["missing_keys"])
+        if missing:
+            raise missing_keys_error(path, missing)
+        return (model, info) if output_loading_info else model
+
+    def _missing_saved_keys(self, missing_keys) -> list[str]:
+        """The missing keys that the checkpoint should have had: all of them when it was saved from this head, else
+        those of the backbone (a causal-LM checkpoint loaded as a classifier lacks the new head, as in
+        transformers, which initialises it and says so)."""
+        if type(self).__name__ in (self.config.architectures or []):
+            return list(missing_keys)
+        prefix = self.base_model_prefix + "."
+        return [k for k in missing_keys if k.startswith(prefix)]
+
+    @classmethod
+    def _specialised_for(cls, path, kwargs: dict) -> type[MoEPreTrainedModel]:
+        """This class if it is specialised, else the specialised class of the config in `kwargs` or of the
+        checkpoint at `path` (only its base type is read; transformers loads the config itself)."""
         config = kwargs.get("config")
         if isinstance(config, MoEConfig):
-            kwargs["config"] = config = _with_config_kwargs(config, kwargs)
-            if cls.base_model_class is None:
-                cls = moe_model_class_for_config(config)
-        elif config is not None and not isinstance(config, (str, os.PathLike)):
-            moe_model_class_for_config(config)  # raises: not an MoE config, with what to do instead
-        elif cls.base_model_class is None:  # transformers loads the config; we only need its base type
-            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-            config_dict, _ = MoEConfig.get_config_dict(os.fspath(config) if config is not None else path, **hub)
-            cls = moe_model_class_for_config_class(moe_config_class(_base_config_class(config_dict.get("base_model_type"))))
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        model, info = super(MoEForCausalLM, cls).from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-        )
-        if info["missing_keys"]:
-            raise missing_keys_error(path, info["missing_keys"])
-        return (model, info) if output_loading_info else model
+            return cls if cls.base_model_class is not None else moe_model_class_for_config(config, cls)
+        if config is not None and not isinstance(config, (str, os.PathLike)):
+            moe_model_class_for_config(config, cls)  # raises: not an MoE config, with what to do instead
+        if cls.base_model_class is not None:
+            return cls
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        config_dict, _ = MoEConfig.get_config_dict(os.fspath(config if config is not None else path), **hub)
+        base_config_class = _base_config_class(config_dict.get("base_model_type"))
+        return moe_model_class_for_config_class(moe_config_class(base_config_class), cls)
 
     @classmethod
     def _from_pretrained_expert_parallel(
@@ -173,42 +239,39 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         """Load this rank's experts only: transformers loads from a view of the directory that lists the
         non-expert files and this rank's expert files, into a model whose experts hold this rank's block."""
-        from . import parallel
-        from .checkpoint import local_expert_view
-
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"expert_parallel=True loads from a local directory; {directory} is not one.")
         plan = parallel.build_plan(process_group, expert_parallel_size)
         config = MoEConfig.from_pretrained(directory)
         start, end = plan.expert_range(config.num_experts)
-        with local_expert_view(directory, start, end, verify_checksums) as view, parallel.local_experts(plan):
-            model = cls.from_pretrained(view, *model_args, _validated=True, **kwargs)
+        with local_expert_view(directory, start, end, verify_checksums) as view:
+            model = cls.from_pretrained(view, *model_args, _validated=True, expert_range=(start, end), **kwargs)
         model.config.name_or_path = directory
         return parallel.finish(model, plan)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
         if cls.base_model_class is None:
-            cls = moe_model_class_for_config(config)
-        return super(MoEForCausalLM, cls)._from_config(config, **kwargs)
+            cls = moe_model_class_for_config(config, cls)
+        return super(MoEPreTrainedModel, cls)._from_config(config, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------
-    # Forward
+    # Forward: the base head's forward, with the routers recorded and their losses added in training
     # ----------------------------------------------------------------------------------------------------------
-    def _moe_forward(self, base_forward, **kwargs) -> MoECausalLMOutputWithPast | tuple:
+    def _moe_forward(self, base_forward, **kwargs):
         output_router_logits = kwargs.pop("output_router_logits", None)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         return_dict = kwargs.pop("return_dict", None)
-        labels = kwargs.get("labels")
         recorder = self.base_model.router_recorder
-        opened = recorder.start() if output_router_logits or labels is not None or self.training else False
+        labeled = kwargs.get("labels") is not None
+        opened = recorder.start() if output_router_logits or labeled or self.training else False
         try:
             outputs = base_forward(self, **kwargs)
         finally:
             routings = recorder.stop() if opened else []
 
-        loss = outputs.loss
+        fields = {k: v for k, v in outputs.items() if k in self.output_class.__dataclass_fields__}
         aux_loss = z_loss = None
         if routings:
             mask = token_mask(kwargs.get("attention_mask"), routings[0].router_logits.shape[0])
@@ -218,25 +281,44 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             token_choice = [b for b in balance if b is not None]
             aux_loss = torch.stack(token_choice).mean() if token_choice else None
             z_loss = torch.stack(z).mean()
-            if labels is not None and loss is not None and self.training:
-                c = self.config
-                extra = c.router_z_loss_coef * z_loss
-                if aux_loss is not None and c.router_aux_loss_coef:
-                    self._check_aux_loss_has_grad(aux_loss)
-                    extra = extra + c.router_aux_loss_coef * aux_loss
-                loss = loss + _aux_loss_weight(labels, kwargs.get("num_items_in_batch")) * extra.to(loss.dtype)
-
-        result = MoECausalLMOutputWithPast(
-            loss=loss,
+            if self.training:
+                self._add_router_losses(fields, aux_loss, z_loss, kwargs)
+        result = self.output_class(
+            **fields,
             aux_loss=aux_loss,
             z_loss=z_loss,
-            logits=outputs.logits,
-            past_key_values=getattr(outputs, "past_key_values", None),
-            hidden_states=getattr(outputs, "hidden_states", None),
-            attentions=getattr(outputs, "attentions", None),
             router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
         )
         return result if return_dict is not False else result.to_tuple()
+
+    def _add_router_losses(self, fields: dict, aux_loss, z_loss, kwargs: dict) -> None:
+        """Training: `router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss` joins the head's loss when the
+        head computed one (labels given). Without labels, the caller computes its loss from the outputs itself (TRL's
+        RewardTrainer does, from the logits): the routers' losses then reach the gradient through the logits
+        (`losses.attach_aux_loss`), so the routers still learn to balance whatever the trainer."""
+        c = self.config
+        extra = c.router_z_loss_coef * z_loss
+        if aux_loss is not None and c.router_aux_loss_coef:
+            self._check_aux_loss_has_grad(aux_loss)
+            extra = extra + c.router_aux_loss_coef * aux_loss
+        if fields.get("loss") is not None:
+            fields["loss"] = fields["loss"] + self._aux_loss_weight(kwargs) * extra.to(fields["loss"].dtype)
+        elif extra.requires_grad:
+            fields["logits"] = attach_aux_loss(fields["logits"], extra)
+
+    def _aux_loss_weight(self, kwargs: dict) -> torch.Tensor | float:
+        """The weight of the routers' losses in the head's loss (see `MoEForCausalLM`)."""
+        return 1.0
+
+    def _check_aux_loss_has_grad(self, aux_loss: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and not aux_loss.requires_grad:
+            if any(block.gate.weight.requires_grad for block in moe_blocks(self)):
+                warnings.warn(
+                    "The load-balancing loss has no gradient, so the routers will not learn to balance. This "
+                    "happens with gradient checkpointing in reentrant mode; use the default "
+                    "`gradient_checkpointing_enable()` (use_reentrant=False).",
+                    stacklevel=4,
+                )
 
     @property
     def routing_stats(self) -> RoutingStats:
@@ -253,34 +335,11 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(block.gate, AuxFreeRouter):
                 block.gate.update_bias()
 
-    def _check_aux_loss_has_grad(self, aux_loss: torch.Tensor) -> None:
-        if torch.is_grad_enabled() and not aux_loss.requires_grad:
-            if any(block.gate.weight.requires_grad for block in moe_blocks(self)):
-                warnings.warn(
-                    "The load-balancing loss has no gradient, so the routers will not learn to balance. This "
-                    "happens with gradient checkpointing in reentrant mode; use the default "
-                    "`gradient_checkpointing_enable()` (use_reentrant=False).",
-                    stacklevel=3,
-                )
-
-    def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
-        so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
-        there, as transformers does for ZeRO-3 and FSDP."""
-        if getattr(self, "expert_parallel_plan", None) is not None:
-            call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
-            if call.arguments.get("synced_gpus") is None:
-                call.arguments["synced_gpus"] = torch.distributed.get_world_size() > 1
-                return super().generate(*call.args, **call.kwargs)
-        return super().generate(*args, **kwargs)
-
     # ----------------------------------------------------------------------------------------------------------
-    # Checkpoints and inspection
+    # Saving and inspection
     # ----------------------------------------------------------------------------------------------------------
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, **kwargs):
         """Save as safetensors with one file per expert index (see `hf_moe.checkpoint`). Atomic."""
-        from .checkpoint import save_checkpoint
-
         if kwargs.pop("push_to_hub", False):
             raise NotImplementedError(
                 "push_to_hub is not supported by hf_moe's per-expert writer: save locally, then upload the folder "
@@ -296,7 +355,6 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
 
     def parameter_counts(self) -> dict[str, int]:
         """{"total", "active", "expert", "experts_per_token"}: parameters, and those a token uses."""
-        from torch.distributed.tensor import DTensor
 
         def full_numel(p, experts=None) -> int:
             # A DTensor (sharded: FSDP2, expert parallelism) reports its global numel. A plain expert parameter
@@ -314,19 +372,69 @@ class MoEForCausalLM(PreTrainedModel, GenerationMixin):
         return {"total": total, "active": active, "expert": expert, "experts_per_token": c.num_experts_per_tok}
 
 
-def _aux_loss_weight(labels: torch.Tensor, num_items_in_batch) -> torch.Tensor | float:
-    """Scale of the aux loss so that it is weighted like the LM loss it is added to.
+# --------------------------------------------------------------------------------------------------------------
+# The heads
+# --------------------------------------------------------------------------------------------------------------
+class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
+    """A causal LM whose chosen MLP blocks are Mixture-of-Experts blocks. Build one from a dense model with
+    `hf_moe.convert_to_moe`.
 
-    `transformers.Trainer` passes `num_items_in_batch` (label tokens over all gradient-accumulation
-    micro-batches, and over all ranks with `average_tokens_across_devices`). The LM loss is then a sum divided
-    by that count, and Trainer neither averages over micro-batches nor over ranks. Weighting each micro-batch's
-    aux loss by its share of the label tokens makes the total a token-weighted mean, as for the LM loss, instead
-    of a sum that grows with the accumulation steps and the number of ranks.
+    With `labels`, in training, its loss is the LM loss plus `router_aux_loss_coef` x the balancing loss (+
+    `router_z_loss_coef` x the z-loss), weighted by the micro-batch's share of the label tokens when
+    `transformers.Trainer` passes `num_items_in_batch`.
     """
-    if num_items_in_batch is None:
-        return 1.0
-    local = labels[..., 1:].ne(-100).sum()
-    return local.to(torch.float32) / num_items_in_batch
+
+    head_mapping = MODEL_FOR_CAUSAL_LM_MAPPING
+    output_class = MoECausalLMOutputWithPast
+
+    def _aux_loss_weight(self, kwargs: dict) -> torch.Tensor | float:
+        """Scale of the aux loss so that it is weighted like the LM loss it is added to.
+
+        `transformers.Trainer` passes `num_items_in_batch` (label tokens over all gradient-accumulation
+        micro-batches, and over all ranks with `average_tokens_across_devices`). The LM loss is then a sum divided
+        by that count, and Trainer neither averages over micro-batches nor over ranks. Weighting each micro-batch's
+        aux loss by its share of the label tokens makes the total a token-weighted mean, as for the LM loss, instead
+        of a sum that grows with the accumulation steps and the number of ranks.
+        """
+        num_items_in_batch = kwargs.get("num_items_in_batch")
+        if num_items_in_batch is None or kwargs.get("labels") is None:
+            return 1.0
+        local = kwargs["labels"][..., 1:].ne(-100).sum()
+        return local.to(torch.float32) / num_items_in_batch
+
+    def _add_router_losses(self, fields: dict, aux_loss, z_loss, kwargs: dict) -> None:
+        if fields.get("loss") is not None:  # without labels a causal LM adds nothing: trainers that compute the
+            super()._add_router_losses(fields, aux_loss, z_loss, kwargs)  # LM loss themselves add `aux_loss`
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
+        so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
+        there, as transformers does for ZeRO-3 and FSDP."""
+        if getattr(self, "expert_parallel_plan", None) is not None:
+            call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
+            if call.arguments.get("synced_gpus") is None:
+                call.arguments["synced_gpus"] = torch.distributed.get_world_size() > 1
+                return super().generate(*call.args, **call.kwargs)
+        return super().generate(*args, **kwargs)
+
+
+class MoEForSequenceClassification(MoEPreTrainedModel):
+    """A sequence classifier (or reward model) over an MoE backbone: the base family's
+    `...ForSequenceClassification` head. In training the routers' losses join the head's loss with `labels`, and
+    reach the gradient through the logits without (TRL's `RewardTrainer` computes its loss from the logits)."""
+
+    head_mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    output_class = MoESequenceClassifierOutputWithPast
+
+
+class MoEForTokenClassification(MoEPreTrainedModel):
+    """A token classifier over an MoE backbone: the base family's `...ForTokenClassification` head."""
+
+    head_mapping = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+    output_class = MoETokenClassifierOutput
+
+
+HEADS = (MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification)
 
 
 def _with_config_kwargs(config: MoEConfig, kwargs: dict) -> MoEConfig:
@@ -342,216 +450,86 @@ def _with_config_kwargs(config: MoEConfig, kwargs: dict) -> MoEConfig:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The backbone: router logits on its output, routing statistics in training
+# Specialised classes: one per base head class
 # --------------------------------------------------------------------------------------------------------------
-class MoEBackboneMixin:
-    """The base model's backbone with MoE blocks: `MoELlamaModel` derives from this and `LlamaModel`.
-
-    Its forward is the base forward, plus: with `output_router_logits` (argument or config) it returns a
-    `MoeModelOutputWithPast` whose `router_logits` holds each MoE layer's router logits [N, E] (N = batch * seq),
-    as Mixtral's and Qwen3-MoE's backbones do, so tools that run the backbone alone (TRL's fused LM head) find
-    them; in training it adds each layer's routing to `routing_stats` and to the aux_free routers' loads.
-
-    `router_recorder` (a `hf_moe.routing.RouterRecorder`) is shared with the model's MoE blocks.
-    """
-
-    router_recorder: RouterRecorder
-
-    def _moe_backbone_forward(self, base_forward, output_router_logits: bool | None = None, **kwargs):
-        if output_router_logits is None:
-            output_router_logits = self.config.output_router_logits
-        return_dict = kwargs.pop("return_dict", None)
-        recorder = self.router_recorder
-        opened = recorder.start() if output_router_logits or self.training else False
-        try:
-            outputs = base_forward(self, **kwargs)
-            routings = recorder.outputs if recorder.outputs is not None else []  # an outer recording: the head's
-        finally:
-            if opened:
-                recorder.stop()
-        if opened and self.training and routings:  # called alone; under the head, the head records them
-            mask = token_mask(kwargs.get("attention_mask"), routings[0].router_logits.shape[0])
-            self.record_routing(routings, *routing_losses(routings, self.config.num_experts, mask))
-        router_logits = tuple(r.router_logits for r in routings) if output_router_logits else None
-        outputs = _moe_model_output(outputs, router_logits)
-        return outputs.to_tuple() if return_dict is False and not isinstance(outputs, tuple) else outputs
-
-    def record_routing(
-        self, routings: list[RouterOutput], balance: list[torch.Tensor | None], z: list[torch.Tensor]
-    ) -> None:
-        """Add one training forward's routing (and its per-layer losses) to `routing_stats` and to the aux_free
-        routers' loads."""
-        stats = self.routing_stats
-        for layer, (block, routing) in enumerate(zip(moe_blocks(self), routings)):
-            stats.add(layer, routing, balance[layer], z[layer])
-            if isinstance(block.gate, AuxFreeRouter):
-                block.gate.record_load(routing.expert_load(self.config.num_experts))
-
-    @property
-    def routing_stats(self) -> RoutingStats:
-        """Routing statistics summed over training forwards since the last reset (see `RoutingStats`). A plain
-        attribute made with the blocks, not buffers: nothing in the state dict, and no cast by `model.to(dtype)`;
-        it follows the routers to their device."""
-        stats = self._routing_stats
-        device = moe_blocks(self)[0].gate.weight.device
-        if stats.load.device != device:
-            stats.to(device)
-        return stats
+def base_head_class(head: type[MoEPreTrainedModel], base_config_class) -> type[PreTrainedModel] | None:
+    """The transformers class of `head` for a base config class (`LlamaForSequenceClassification` for
+    `MoEForSequenceClassification` and `LlamaConfig`), or None when the family has no such head."""
+    if base_config_class not in head.head_mapping:
+        return None
+    base_class = head.head_mapping[base_config_class]
+    return base_class[0] if isinstance(base_class, (list, tuple)) else base_class
 
 
-_MOE_MODEL_OUTPUT_FIELDS = frozenset(MoeModelOutputWithPast.__dataclass_fields__)
-
-
-def _moe_model_output(outputs, router_logits: tuple[torch.Tensor, ...] | None):
-    """The backbone's output as a `MoeModelOutputWithPast` with `router_logits`. An output type with fields
-    `MoeModelOutputWithPast` lacks (GPT-2's `cross_attentions`) keeps its type and gains the key, since the base
-    head reads those fields; a tuple output (a config with return_dict=False) gains an element."""
-    if isinstance(outputs, tuple):
-        return outputs + (router_logits,) if router_logits is not None else outputs
-    if type(outputs).__dataclass_fields__.keys() <= _MOE_MODEL_OUTPUT_FIELDS:
-        return MoeModelOutputWithPast(**dict(outputs.items()), router_logits=router_logits)
-    if router_logits is not None:
-        outputs["router_logits"] = router_logits
-    return outputs
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Where the MoE blocks go
-# --------------------------------------------------------------------------------------------------------------
-def install_moe_blocks(model: nn.Module, config: MoEConfig, blocks: dict[int, nn.Module] | None = None) -> None:
-    """Put an MoE block in each layer of `config.moe_layers` (new blocks unless `blocks` gives them), and make the
-    backbone an MoE backbone (`MoEBackboneMixin`) whose recorder the blocks share."""
-    backbone = model.base_model
-    if backbone is model:
-        raise ValueError(
-            f"{type(model).__name__} has no backbone module (`{model.base_model_prefix}`) for hf_moe to return the "
-            "router logits from; this layout is not supported."
-        )
-    if not isinstance(backbone, MoEBackboneMixin):
-        backbone.__class__ = moe_backbone_class(type(backbone))
-        register_output_recording(backbone)  # transformers looks up what to record by the class name
-        backbone.router_recorder = RouterRecorder()
-        backbone._routing_stats = RoutingStats(len(config.moe_layers), config.num_experts)
-    if config.decoder_layers_path is None:  # a config made with MoEConfig.from_base rather than by conversion
-        from .convert.adapters import find_decoder_layers
-
-        config.decoder_layers_path = find_decoder_layers(model)[0]
-    layers = model.get_submodule(config.decoder_layers_path)
-    for i in config.moe_layers:
-        block = blocks[i] if blocks is not None else SparseMoeBlock(config)
-        block.router_recorder = backbone.router_recorder
-        _set_submodule(layers[i], config.moe_block_path, block)
-        for path in config.moe_bypassed_paths:
-            _set_submodule(layers[i], path, nn.Identity())
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, name, module)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Specialised classes
-# --------------------------------------------------------------------------------------------------------------
-def moe_model_class_for_config(config) -> type[MoEForCausalLM]:
+def moe_model_class_for_config(config, head: type[MoEPreTrainedModel] = None) -> type[MoEPreTrainedModel]:
     if not isinstance(config, MoEConfig):
         raise TypeError(
-            f"MoEForCausalLM needs an MoEConfig (model_type='hf_moe'), got {type(config).__name__}. "
-            "To make an MoE model from a dense one, use `hf_moe.convert_to_moe(model, num_experts, top_k)`."
+            f"{(head or MoEForCausalLM).__name__} needs an MoEConfig (model_type='hf_moe'), got "
+            f"{type(config).__name__}. To make an MoE model from a dense one, use "
+            "`hf_moe.convert_to_moe(model, num_experts, top_k)`."
         )
-    return moe_model_class_for_config_class(type(config))
+    return moe_model_class_for_config_class(type(config), head)
 
 
-def moe_model_class_for_config_class(config_class: type[MoEConfig]) -> type[MoEForCausalLM]:
+def moe_model_class_for_config_class(
+    config_class: type[MoEConfig], head: type[MoEPreTrainedModel] = None
+) -> type[MoEPreTrainedModel]:
+    """The specialised `head` class (default: `MoEForCausalLM`) for a specialised config class."""
+    head = _generic(head or MoEForCausalLM)
     base_config = config_class.base_config_class
-    if base_config not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"transformers has no causal-LM class for model type {base_config.model_type!r}.")
-    base_class = MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
-    if isinstance(base_class, (list, tuple)):
-        base_class = base_class[0]
+    base_class = base_head_class(head, base_config)
+    if base_class is None:
+        raise ValueError(f"transformers has no {head.__name__.removeprefix('MoEFor')} class for model type "
+                         f"{base_config.model_type!r}.")
     return moe_model_class(base_class)
 
 
-_MODEL_CLASSES: dict[type[PreTrainedModel], type[MoEForCausalLM]] = {}
+_MODEL_CLASSES: dict[type[PreTrainedModel], type[MoEPreTrainedModel]] = {}
 
 
-def moe_model_class(base_model_class: type[PreTrainedModel]) -> type[MoEForCausalLM]:
-    """The `MoEForCausalLM` subclass over `base_model_class` (e.g. `MoELlamaForCausalLM`), registered with
-    `AutoModelForCausalLM`."""
+def moe_model_class(base_model_class: type[PreTrainedModel]) -> type[MoEPreTrainedModel]:
+    """The MoE subclass of a base head class, e.g. `MoELlamaForCausalLM` over `LlamaForCausalLM` (a subclass of
+    `MoEForCausalLM`) or `MoELlamaForSequenceClassification` over `LlamaForSequenceClassification`."""
     if base_model_class in _MODEL_CLASSES:
         return _MODEL_CLASSES[base_model_class]
-    if issubclass(base_model_class, MoEForCausalLM):
+    if issubclass(base_model_class, MoEPreTrainedModel):
         raise ValueError(f"{base_model_class.__name__} is already an MoE model class.")
-    config_class = moe_config_class(base_model_class.config_class)  # may register this very class
+    config_class = moe_config_class(base_model_class.config_class)  # its hooks may make this very class
     if base_model_class in _MODEL_CLASSES:
         return _MODEL_CLASSES[base_model_class]
+    head = head_of(base_model_class)
     name = f"MoE{base_model_class.__name__}"
     namespace = {
         "__module__": __name__,
         "__qualname__": name,
-        "__doc__": f"`MoEForCausalLM` over `{base_model_class.__name__}`.",
+        "__doc__": f"`{head.__name__}` over `{base_model_class.__name__}`.",
         "config_class": config_class,
         "base_model_class": base_model_class,
-        "forward": _wrap_forward(base_model_class.forward, "_moe_forward"),
+        "forward": wrap_forward(base_model_class.forward, "_moe_forward"),
     }
-    cls = _MODEL_CLASSES[base_model_class] = type(name, (MoEForCausalLM, base_model_class), namespace)
+    cls = _MODEL_CLASSES[base_model_class] = type(name, (head, base_model_class), namespace)
     setattr(sys.modules[__name__], name, cls)
-    AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
     return cls
 
 
-_BACKBONE_CLASSES: dict[type[nn.Module], type[MoEBackboneMixin]] = {}
+def head_of(base_model_class: type[PreTrainedModel]) -> type[MoEPreTrainedModel]:
+    """The MoE head for a base model class: the one whose transformers class it is (or derives from); a causal LM
+    for a class transformers does not register (a model class of the user's own)."""
+    for head in HEADS:
+        base = base_head_class(head, base_model_class.config_class)
+        if base is not None and issubclass(base_model_class, base):
+            return head
+    return MoEForCausalLM
 
 
-def moe_backbone_class(base_backbone_class: type[nn.Module]) -> type[MoEBackboneMixin]:
-    """The `MoEBackboneMixin` subclass over a base model's backbone class (e.g. `MoELlamaModel`)."""
-    if base_backbone_class not in _BACKBONE_CLASSES:
-        name = f"MoE{base_backbone_class.__name__}"
-        namespace = {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": f"`{base_backbone_class.__name__}` with MoE blocks (see `MoEBackboneMixin`).",
-            "forward": _wrap_forward(base_backbone_class.forward, "_moe_backbone_forward"),
-        }
-        cls = type(name, (MoEBackboneMixin, base_backbone_class), namespace)
-        _BACKBONE_CLASSES[base_backbone_class] = cls
-        setattr(sys.modules[__name__], name, cls)
-    return _BACKBONE_CLASSES[base_backbone_class]
-
-
-def register_model_class(config_class: type[MoEConfig]) -> None:
-    """Make the model class of a new specialised config class, if transformers has a causal LM for its base."""
-    if config_class.base_config_class in MODEL_FOR_CAUSAL_LM_MAPPING:
-        moe_model_class_for_config_class(config_class)
-
-
-def _wrap_forward(base_forward, method: str):
-    """A forward that calls `self.<method>(base_forward, **kwargs)`, with the base forward's signature (Trainer,
-    generate and PEFT read it). Positional arguments are passed on by name."""
-    signature = inspect.signature(base_forward)
-    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-    @functools.wraps(base_forward)
-    def forward(self, *args, **kwargs):
-        if len(args) > len(names) - 1:
-            raise TypeError(f"{type(self).__name__}.forward takes at most {len(names) - 1} positional arguments.")
-        for name, value in zip(names[1:], args):  # names[0] is self
-            if name in kwargs:
-                raise TypeError(f"{type(self).__name__}.forward got multiple values for argument {name!r}.")
-            kwargs[name] = value
-        return getattr(self, method)(base_forward, **kwargs)
-
-    return forward
+def _generic(head: type[MoEPreTrainedModel]) -> type[MoEPreTrainedModel]:
+    """The generic head class of a (maybe specialised) MoE class."""
+    return next((h for h in HEADS if issubclass(head, h)), MoEForCausalLM)
 
 
 def __getattr__(name: str):
-    # Lets pickle find a specialised class in a fresh process: `MoELlamaForCausalLM`, `MoELlamaModel`.
-    if name.startswith("MoE"):
-        for model_class in MODEL_FOR_CAUSAL_LM_MAPPING.values():
-            if isinstance(model_class, type) and model_class.__name__ == name[3:]:
-                return moe_model_class(model_class)
-        base = getattr(transformers, name[3:], None)
-        if isinstance(base, type) and issubclass(base, PreTrainedModel):
-            return moe_backbone_class(base)
+    # Lets pickle find a specialised class in a fresh process: `MoELlamaForCausalLM`.
+    base = getattr(transformers, name[3:], None) if name.startswith("MoE") else None
+    if isinstance(base, type) and issubclass(base, PreTrainedModel):
+        return moe_model_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

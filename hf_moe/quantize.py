@@ -29,22 +29,15 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import (
-    INDEX_NAME,
-    CheckpointError,
-    checkpoint_config,
-    checkpoint_file,
-    checksum_problems,
-    local_expert_view,
-    read_index,
-    read_safetensors_header,
-    recorded_checksums,
-    save_checkpoint,
+    INDEX_NAME, CheckpointError, checkpoint_config, local_expert_view, read_index, reading, save_checkpoint,
+    validate_files,
 )
+from .checkpoint.guard import safe_open_file
+from .checkpoint.headers import read_header
 from .layers import Experts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts
 from .modeling import MoEForCausalLM, moe_model_class_for_config
@@ -141,35 +134,33 @@ def save_quantized(model: nn.Module, save_directory: str | os.PathLike, **kwargs
 def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = True, **kwargs) -> MoEForCausalLM:
     """Load a model saved by `save_quantized` (kwargs go to `from_pretrained`: `dtype`, `attn_implementation`, ...).
 
-    Checks the directory first: the config's `expert_quantization`, every file against the checksums recorded at
-    save time (`verify_checksums` hashes the data too; sizes and headers are always checked), and the dtype and
-    shape of every int8 weight and scale. The non-expert weights load through transformers (from a view of the
+    Checks the directory first (`hf_moe.checkpoint.validate_files`): every file's size and header against the
+    checksums recorded at save time (`verify_checksums` hashes the data too), the config files against theirs, the
+    config's `expert_quantization`, and the dtype and shape of every int8 weight and scale. A save into the directory
+    meanwhile waits until the load is done. The non-expert weights load through transformers (from a view of the
     directory without the expert files), into a model whose experts are placeholders, so no full-precision expert
     is ever allocated; the int8 experts are then read from their files.
     """
     directory = os.fspath(directory)
-    config = checkpoint_config(directory)
-    settings = getattr(config, CONFIG_FIELD, None)
-    if not isinstance(settings, dict) or settings.get("quant_method") not in METHODS:
-        raise CheckpointError(
-            f"{directory}/config.json has no valid `{CONFIG_FIELD}` (got {settings!r}): it holds no int8 experts. "
-            "Load it with MoEForCausalLM.from_pretrained."
-        )
-    group_size = settings.get("group_size")
-    weight_map, metadata = read_index(directory)
-    checksums = recorded_checksums(metadata)
-    if checksums is None and verify_checksums:
-        raise CheckpointError(f"{directory} records no checksums; load it with verify_checksums=False.")
-    problems = checksum_problems(directory, checksums) if verify_checksums else []
-    if problems:
-        raise CheckpointError(f"{directory} is corrupt: " + "; ".join(problems[:8]) + ". Save the model again.")
-    expected = _expected_quantized_tensors(directory, config, weight_map, group_size)
-    model_class = moe_model_class_for_config(config)
-    with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
-        model = _with_placeholder_experts(model_class).from_pretrained(view, config=config, _validated=True, **kwargs)
-    model.__class__ = model_class
-    model.config.name_or_path = directory
-    _read_experts(directory, model, config, weight_map, expected, group_size)
+    with reading(directory):  # what is checked and loaded is one checkpoint: a save into it waits
+        validate_files(directory, verify_checksums=verify_checksums)
+        config = checkpoint_config(directory)
+        settings = getattr(config, CONFIG_FIELD, None)
+        if not isinstance(settings, dict) or settings.get("quant_method") not in METHODS:
+            raise CheckpointError(
+                f"{directory}/config.json has no valid `{CONFIG_FIELD}` (got {settings!r}): it holds no int8 "
+                "experts. Load it with MoEForCausalLM.from_pretrained."
+            )
+        group_size = settings.get("group_size")
+        weight_map, _ = read_index(directory)
+        expected = _expected_quantized_tensors(directory, config, weight_map, group_size)
+        model_class = moe_model_class_for_config(config)
+        with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
+            skeleton = _with_placeholder_experts(model_class)
+            model = skeleton.from_pretrained(view, config=config, _validated=True, **kwargs)
+        model.__class__ = model_class
+        model.config.name_or_path = directory
+        _read_experts(directory, model, config, weight_map, expected, group_size)
     return model
 
 
@@ -198,7 +189,7 @@ def _expected_quantized_tensors(directory: str, config, weight_map: dict[str, st
     for key, (dtype, shape) in expected.items():
         filename = weight_map[key]
         if filename not in headers:
-            headers[filename] = read_safetensors_header(checkpoint_file(directory, filename, INDEX_NAME))
+            headers[filename] = read_header(directory, filename, INDEX_NAME)[0]
         meta = headers[filename][key]
         floating = meta["dtype"] in ("F32", "F16", "BF16", "F64")
         if (meta["dtype"] != dtype if dtype else not floating) or meta["shape"] != shape:
@@ -243,7 +234,7 @@ def _read_experts(directory: str, model, config, weight_map: dict[str, str], exp
         by_file.setdefault(weight_map[key], []).append(key)
     layer_of = {prefix: i for i, prefix in enumerate(prefixes)}
     for filename, keys in by_file.items():
-        with safe_open(checkpoint_file(directory, filename, INDEX_NAME), framework="pt") as f:
+        with safe_open_file(directory, filename, INDEX_NAME) as f:
             for key in keys:
                 prefix, expert, name = key.rsplit(".", 2)
                 tensor = f.get_tensor(key)

@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install torch==2.13.0
 python -m pip install -e ".[dev]"
+# The newest transformers the bound in pyproject.toml admits (an existing venv would keep an older one), and a check
+# that it is the newest release hf_moe records as tested (hf_moe/compat.py TESTED; docs/compatibility.md).
+python -m pip install --upgrade "$(grep -o '"transformers[^"]*"' pyproject.toml | tr -d '"')"
+python -c "import transformers; from hf_moe.compat import TESTED; newest = TESTED['transformers'][1]; \
+assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transformers.__version__, newest)"
 # DeepSpeed (the ZeRO-3 test of tests/test_tools.py) is an sdist whose build imports torch: pip's isolated build
 # environment would pull a CUDA torch. Built against the installed torch instead (which needs setuptools and wheel
 # in place), with no ops compiled ahead. Its test skips without it.

@@ -13,4 +13,4 @@ VENV=.venv-oldest
 HF_MOE_BACKEND=torch "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_modeling.py tests/test_integration.py tests/test_checkpoint.py tests/test_convert.py \
     tests/test_families.py tests/test_export.py tests/test_training.py tests/test_routers.py \
-    tests/test_experts_interface.py
+    tests/test_experts_interface.py tests/test_compat.py

@@ -73,3 +73,30 @@ CORPUS = (
     + "a mixture of experts routes each token to a few experts. "
     + "sparse models grow parameters without growing compute. "
 )
+
+
+class _Logits(torch.nn.Module):
+    """A causal LM as a function of its input ids alone, returning its logits: what an exporter traces."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def logits_of_a_tiny_moe(which: str) -> torch.nn.Module:
+    """A tiny MoE model for the export tests, in eval mode, as `input_ids -> logits`: "converted" (a Llama upcycled
+    to 4 experts, with noise so the experts differ) or "native_mixtral" (transformers' Mixtral on hf_moe's experts)."""
+    import hf_moe
+
+    torch.manual_seed(0)
+    if which == "converted":
+        model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05)
+    else:
+        config = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                      num_experts_per_tok=2, intermediate_size=16)
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="hf_moe")
+    return _Logits(model.eval())

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import hf_moe.checkpoint as checkpoint
+import hf_moe.checkpoint.save as checkpoint_save
 from hf_moe import CheckpointError, MoEForCausalLM, convert_to_moe
 from hf_moe.inspect import format_summary, summarize_checkpoint
 
@@ -125,18 +126,18 @@ def test_interrupted_save_leaves_nothing_that_loads(moe, tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated crash mid-save")
         return real(tensors, filename, metadata=metadata)
 
-    real = checkpoint.save_file
-    monkeypatch.setattr(checkpoint, "save_file", failing_save_file)
+    real = checkpoint_save.save_file
+    monkeypatch.setattr(checkpoint_save, "save_file", failing_save_file)
     with pytest.raises(KeyboardInterrupt):
         moe.save_pretrained(tmp_path / "new")
     assert not (tmp_path / "new").exists()
     assert list(tmp_path.iterdir()) == []  # the staging directory was removed too
 
-    monkeypatch.setattr(checkpoint, "save_file", real)
+    monkeypatch.setattr(checkpoint_save, "save_file", real)
     moe.save_pretrained(tmp_path / "old")
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "old").iterdir()}
     calls.clear()
-    monkeypatch.setattr(checkpoint, "save_file", failing_save_file)
+    monkeypatch.setattr(checkpoint_save, "save_file", failing_save_file)
     with pytest.raises(KeyboardInterrupt):
         moe.save_pretrained(tmp_path / "old")
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "old").iterdir()} == before  # previous save intact

@@ -77,15 +77,15 @@ def _compile_params():
 @pytest.fixture
 def ran_hf_moe(monkeypatch):
     """The calls of hf_moe's expert computation (a traced call counts once per layer traced)."""
-    import hf_moe.ops
+    import hf_moe.ops.backend
 
-    calls, real = [], hf_moe.ops.run_experts
+    calls, real = [], hf_moe.ops.backend.run_experts
 
     def counted(ops, *args):
         calls.append(ops.name)
         return real(ops, *args)
 
-    monkeypatch.setattr(hf_moe.ops, "run_experts", counted)
+    monkeypatch.setattr(hf_moe.ops.backend, "run_experts", counted)
     return calls
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_moe
 from hf_moe import NativeExportError, export_native
+from hf_moe.export_verify import dot_width, logit_tolerance
 
 # Loads every exported folder in a fresh interpreter that imports transformers, never hf_moe.
 PLAIN_TRANSFORMERS = """
@@ -125,8 +127,11 @@ def test_carried_config_fields(exported):
 
 def test_model_card(exported):
     card = (exported["qwen3_partial"][3] / "README.md").read_text()
-    diff = exported["qwen3_partial"][2].max_abs_logit_diff
-    assert f"at most {diff:.2e} on a random probe" in card and "greedy tokens equal" in card
+    result = exported["qwen3_partial"][2]
+    assert result.verified_layers == (2, 3) and result.tensors_checked == 56  # an MoE layer (0) and a dense one (1)
+    assert f"logits within {result.max_abs_logit_diff:.2e} on a random probe" in card and "greedy tokens equal" in card
+    assert "every tensor equals the hf_moe model's, bit for bit (all 56 read back after writing)" in card
+    assert "its first 2 of 3 decoder layers with the embeddings, final norm and LM head" in card
     assert "`Qwen3MoeForCausalLM`" in card and "no hf_moe import" in card and "from_pretrained" in card
     assert "2 of 3: 0, 2; dense MLP in 1" in card and "4 per MoE layer, top-2" in card
     assert "active per token" in card and "`upcycle` (noise=0.01)" in card
@@ -134,18 +139,23 @@ def test_model_card(exported):
     assert "{" not in card.split("```python")[0]  # every field filled
 
 
-def test_test_is_sensitive_to_expert_and_gate_up_order():
-    """The noise makes the experts differ, so a wrong expert order or a swapped gate/up would change the logits."""
+def test_test_is_sensitive_to_expert_and_gate_up_order(exported):
+    """The noise makes the experts differ, so a wrong expert order or a swapped gate/up would change the logits: by
+    more than 20x the export's tolerance, which the measured differences (rounding) stay far below."""
     moe = _convert("llama")
     experts = moe.model.layers[0].mlp.experts
     with torch.no_grad():
         reference = moe(IDS).logits
+        tolerance = logit_tolerance(reference.abs().max().item(), dot_width(moe.config))
+        assert tolerance < 1e-5  # what the README states for the test models
         i = experts.intermediate_dim
         gate_up = experts.gate_up_proj.clone()
         experts.gate_up_proj.copy_(torch.cat([gate_up[:, i:], gate_up[:, :i]], dim=1))
-        assert (moe(IDS).logits - reference).abs().max() > 1e-3
+        assert (moe(IDS).logits - reference).abs().max() > 1e-3 > 200 * tolerance
         experts.gate_up_proj.copy_(gate_up.flip(0))
-        assert (moe(IDS).logits - reference).abs().max() > 1e-4
+        assert (moe(IDS).logits - reference).abs().max() > 1e-4 > 20 * tolerance
+    for case, (_, _, result, _) in exported.items():
+        assert result.max_abs_logit_diff < tolerance / 4, case
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -236,3 +246,164 @@ def test_metadata_the_gguf_loader_adds_is_carried_not_refused(tmp_path):
     export_native(str(tmp_path / "moe"), tmp_path / "native")
     exported = json.loads((tmp_path / "native" / "config.json").read_text())
     assert exported["model_type"] == "mixtral" and exported["unk_token_id"] == 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Written tensor by tensor: the files transformers' own save_pretrained writes, at the memory of one tensor
+# --------------------------------------------------------------------------------------------------------------
+def _native_save_pretrained(moe, out):
+    """The reference: the native model built on the meta device, given the hf_moe model's own tensors (the
+    in-memory names match one to one), saved by transformers' `save_pretrained` (what export did before streaming)."""
+    config = copy.deepcopy(hf_moe.export.native_config(moe.config))
+    with torch.device("meta"):
+        native = AutoModelForCausalLM.from_config(config)
+    source = {**dict(moe.named_parameters(remove_duplicate=False)), **dict(moe.named_buffers(remove_duplicate=False))}
+    for module_name, module in native.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for name in [n for n, t in store.items() if t is not None]:
+                store[name] = source[f"{module_name}.{name}" if module_name else name]
+    native.generation_config = copy.deepcopy(moe.generation_config)
+    native.save_pretrained(out)
+
+
+def _tensors(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_files_are_what_native_save_pretrained_writes(exported, case, tmp_path):
+    """Same tensor names, bytes, config and generation config as transformers' own `save_pretrained` of the native
+    model: the on-disk layout export writes is transformers', in every release CI runs."""
+    _native_save_pretrained(_convert(case), tmp_path / "reference")
+    ours, reference = _tensors(exported[case][3]), _tensors(tmp_path / "reference")
+    assert sorted(ours) == sorted(reference)
+    for key, tensor in reference.items():
+        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
+    for name in ("config.json", "generation_config.json"):
+        read = lambda path: json.loads((path / name).read_text())  # noqa: E731
+        assert read(exported[case][3]) == read(tmp_path / "reference"), name
+
+
+def test_sharded_export_and_full_verification(tmp_path):
+    result = export_native(_convert("mistral"), tmp_path / "out", max_shard_size="100KB", verify="full")
+    assert result.verified_layers == (3, 3) and result.max_abs_logit_diff < 1e-5
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert all((tmp_path / "out" / f).stat().st_size <= 100_000 + 20_000 for f in files)  # (+ a header)
+
+
+def test_a_tensor_damaged_on_the_way_to_disk_is_an_error(tmp_path, monkeypatch):
+    import hf_moe.export_files as export_files
+
+    write = export_files.write_weights
+
+    def write_then_damage(source, outputs, directory, max_shard_size):
+        write(source, outputs, directory, max_shard_size)
+        with open(directory / "model.safetensors", "r+b") as f:
+            f.seek(-3, 2)
+            byte = f.read(1)
+            f.seek(-3, 2)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    monkeypatch.setattr(hf_moe.export, "write_weights", write_then_damage)
+    with pytest.raises(NativeExportError, match="1 tensors of the export differ from the hf_moe model's"):
+        export_native(_convert("llama"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+PEAK_RSS = """
+import json, sys
+import torch, transformers, hf_moe
+def rss():  # VmHWM: the peak RSS of this process's memory (ru_maxrss would keep the forking parent's)
+    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
+baseline = rss()
+hf_moe.export_native(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "verify")
+print(json.dumps({"baseline": baseline, "peak": rss()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def moe_250mb(tmp_path_factory):
+    """A 0.24 GB hf_moe checkpoint: Llama, hidden 384, 8 layers of 8 experts (0.23 GB of it in experts)."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=1024, hidden_size=384, intermediate_size=768,
+                                  num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2)
+    moe = hf_moe.convert_to_moe(AutoModelForCausalLM.from_config(config), num_experts=8, top_k=2, inplace=True)
+    path = tmp_path_factory.mktemp("moe-250mb") / "moe"
+    moe.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verify", ["verify", "write"])
+def test_export_peak_memory_is_bounded_by_the_model_size(moe_250mb, verify, tmp_path):
+    """Peak RSS (VmHWM) of a fresh process exporting a 0.24 GB checkpoint, over its baseline (torch, transformers and
+    hf_moe imported): writing takes the memory of a tensor; the default check, that of the first 2 of 8 layers
+    loaded by hf_moe and then by transformers (which maps the files while it stacks the experts: twice their size).
+    Before streaming, the export grew by 2.4x the model's size (benchmarks/export_memory.py)."""
+    size = sum(p.stat().st_size for p in moe_250mb.glob("*.safetensors"))
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, str(moe_250mb), str(tmp_path / "out"), verify],
+                         check=True, capture_output=True, text=True, cwd=tmp_path)
+    rss = json.loads(out.stdout.strip().splitlines()[-1])
+    growth = (rss["peak"] - rss["baseline"]) / size
+    print(f"{verify}: model {size / 1e9:.3f} GB, baseline {rss['baseline'] / 1e9:.2f} GB, growth {growth:.2f}x")
+    assert growth <= (0.2 if verify == "write" else 1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The model card's base_model: a Hub id only when the source was one
+# --------------------------------------------------------------------------------------------------------------
+def _front_matter(path) -> str:
+    return (path / "README.md").read_text().split("\n---\n", 1)[0]
+
+
+def _gguf_base_models(path):
+    """What llama.cpp's converter (gguf-py's `Metadata`) reads from the card: the base models it links to."""
+    from pathlib import Path
+
+    from gguf.metadata import Metadata
+
+    return Metadata.load(model_path=Path(path)).base_models
+
+
+def test_card_base_model_is_a_hub_id_only_when_the_source_was_one(tmp_path):
+    """A local source directory recorded as `base_model` became `https://huggingface.co/<path>` in every GGUF that
+    llama.cpp's converter made from the export. A local source gets no `base_model`; a Hub id keeps it."""
+    pytest.importorskip("gguf.metadata")  # (the `gguf` extra: llama.cpp's own reader of model cards)
+    tiny_dense("llama").save_pretrained(tmp_path / "dense-model")
+    local = hf_moe.convert_to_moe(str(tmp_path / "dense-model"), num_experts=4, top_k=2)
+    hub_dense = tiny_dense("llama")
+    hub_dense.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # as from_pretrained(<Hub id>) records it
+    hub = hf_moe.convert_to_moe(hub_dense, num_experts=4, top_k=2)
+    for name, moe in (("local", local), ("hub", hub)):
+        moe.save_pretrained(tmp_path / f"{name}-moe")
+        export_native(str(tmp_path / f"{name}-moe"), tmp_path / f"{name}-native")
+    for path in (tmp_path / "local-moe", tmp_path / "local-native"):
+        assert "base_model:" not in _front_matter(path)
+        assert str(tmp_path / "dense-model") in (path / "README.md").read_text()  # still named in the text
+        assert not _gguf_base_models(path)
+    for path in (tmp_path / "hub-moe", tmp_path / "hub-native"):
+        assert "\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in _front_matter(path) + "\n"
+        (found,) = _gguf_base_models(path)
+        assert found["repo_url"] == "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_card_of_a_checkpoint_converted_before_the_hub_id_was_recorded(tmp_path):
+    """Older checkpoints record only `base_model`: a path is told from a Hub id by its form and by whether it exists."""
+    from hf_moe.model_card import hub_model_id
+
+    assert hub_model_id("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_model_id("/root/.cache/huggingface/hub/models--Qwen--Qwen3-0.6B/snapshots/abc123") == "Qwen/Qwen3-0.6B"
+    (tmp_path / "work" / "dense").mkdir(parents=True)
+    for local in ("/tmp/smollm2-moe-work/smollm2-135m-instruct", "./dense", "~/models/x", str(tmp_path / "work"),
+                  "a/b/c", "LlamaForCausalLM", "", None):
+        assert hub_model_id(local) is None, local
+    moe = _convert("llama")
+    moe.config.moe_conversion = {"method": "upcycle", "base_model": "/tmp/smollm2-moe-work/smollm2-135m-instruct"}
+    export_native(moe, tmp_path / "native")
+    assert "base_model:" not in _front_matter(tmp_path / "native")

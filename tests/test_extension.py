@@ -93,6 +93,7 @@ def test_ahead_of_time_build_with_setup_py(tmp_path):
     assert f"hf_moe_source_hash={source_hash()}".encode() in so.read_bytes()
     check = _run({}, f"""
 import torch
+import hf_moe.ops  # the ops' schemas (library.py); the library adds their CPU kernels
 torch.ops.load_library({str(so)!r})
 ids = torch.tensor([[2, 0], [1, 2]])
 print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())

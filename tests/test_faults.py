@@ -1,17 +1,20 @@
 """Fault injection: no kill point and no failing filesystem leaves OUT damaged or staging behind.
 
-`save_pretrained`, the streaming `convert_checkpoint` and `export_native` each write a new model over an old one in
-OUT, and are
-  * killed with SIGKILL at evenly spread points of their run, plus every point of the commit: a point is a marker,
-    the call or return of a function of hf_moe's checkpoint, streaming or export code, or a call of an os/io
-    function that touches files, counted by a profile hook (`sys.setprofile`) in the process that runs it;
+The writers: `save_pretrained`, `hf-moe convert` (streaming, the tokenizer included), the DCP training state
+(`save_training_state`) and `export_native`. Each writes a new state over an old one in OUT, and is
+  * killed with SIGKILL before EVERY step of its run, one run per step: a step is a call that can change what is on
+    disk (an os function that creates, writes, renames, links or removes; a write, flush or close of a file object;
+    the file writers of safetensors and torch) or a call or return of a function of the commit (its directory swap
+    is a C call through ctypes, which the profiler does not report), counted by a profile hook (`sys.setprofile`)
+    in the process that runs it. Killing before each step leaves, in turn, every state the writer can leave;
   * failed mid-write: RLIMIT_FSIZE (EFBIG, and the SIGXFSZ kill), EMFILE (RLIMIT_NOFILE), and ENOSPC on a small tmpfs
     mounted in a private mount namespace (where this machine allows one; the count says how many ran).
-`save_pretrained` is also killed at every commit point with RENAME_EXCHANGE disabled (two renames, recovered on
-the next load). After each fault OUT must load as exactly the old or the new model (equal logits, the same files),
-and the next save must leave nothing beside OUT. The module prints one line:
+`save_pretrained` and the training state are also killed before every step of their commit with RENAME_EXCHANGE
+disabled (two renames, recovered on the next load). After each fault OUT must load as exactly the old or the new
+state (equal logits or tensors, the same files, the same tokenizer bytes), and the next write must leave nothing
+beside OUT. The module prints one line:
 
-    N faults injected, 0 damaged, 0 leaked
+    N kill points over 4 writers (every step), 0 damaged; M filesystem faults, 0 damaged; 0 leaked
 
 The faults run in a driver process (`python tests/test_faults.py WORK`), which builds the models once and forks one
 child per fault, so a fault costs the operation, not an interpreter start.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import json
 import os
 import signal
@@ -32,15 +36,17 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-COUNTS = {"faults": 0, "damaged": 0, "leaked": 0}
-EVENLY_SPREAD = 20  # kill points per operation, evenly spread over its markers (plus every commit point)
+COUNTS = {"kills": 0, "kills damaged": 0, "faults": 0, "faults damaged": 0, "leaked": 0, "writers": 0}
+WRITERS = ("save", "convert", "training_state", "export")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_counts(request):
     """Print the module's one-line count past pytest's output capture (CI logs show it without -s or -rA)."""
     yield
-    line = f"test_faults.py: {COUNTS['faults']} faults injected, {COUNTS['damaged']} damaged, {COUNTS['leaked']} leaked"
+    line = (f"test_faults.py: {COUNTS['kills']} kill points over {COUNTS['writers']} writers (every step), "
+            f"{COUNTS['kills damaged']} damaged; {COUNTS['faults']} filesystem faults, {COUNTS['faults damaged']} "
+            f"damaged; {COUNTS['leaked']} leaked")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         print(f"\n{line}", flush=True)
@@ -52,27 +58,35 @@ def test_no_fault_damages_out_or_leaks_staging(tmp_path):
            "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env,
-                            cwd=ROOT, timeout=900)
+                            cwd=ROOT, timeout=1500)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     faults = json.loads((tmp_path / "faults.json").read_text())
-    COUNTS["faults"] += len(faults)
-    damaged = [f for f in faults if not f["state"] in ("old", "new")]
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    kills = [f for f in faults if f["kind"].startswith("SIGKILL")]
+    damaged = [f for f in faults if f["state"] not in ("old", "new")]
     leaked = [f for f in faults if f["leaked"]]
-    COUNTS["damaged"] += len(damaged)
+    COUNTS["writers"] = len({f["op"] for f in kills})
+    COUNTS["kills"] += len(kills)
+    COUNTS["kills damaged"] += sum(f in damaged for f in kills)
+    COUNTS["faults"] += len(faults) - len(kills)
+    COUNTS["faults damaged"] += sum(f in damaged for f in faults if f not in kills)
     COUNTS["leaked"] += len(leaked)
     assert not damaged and not leaked, json.dumps(damaged[:5] + leaked[:5], indent=1)
     kinds = {}
     for fault in faults:
         kinds.setdefault((fault["op"], fault["kind"]), []).append(fault)
-    for op in ("save", "stream", "export"):
-        kills = kinds[(op, "SIGKILL")]
-        assert len(kills) >= 20, (op, len(kills))
-        assert {f["state"] for f in kills} == {"old", "new"}, op  # the points span the whole operation
+    for op in WRITERS:
+        points = sorted(f["point"] for f in kinds[(op, "SIGKILL")])
+        assert points == list(range(1, steps[op] + 1)), (op, steps[op], points[:5])  # every step, each reached
+        assert {f["state"] for f in kinds[(op, "SIGKILL")]} == {"old", "new"}, op  # the points span the write
         for kind in ("EFBIG", "EMFILE"):
             assert any(f["error"] for f in kinds[(op, kind)]), (op, kind)  # the fault did make the operation fail
-    assert len(kinds[("save", "SIGKILL, two renames")]) >= 8
-    assert any(f["absent_before_load"] for f in kinds[("save", "SIGKILL, two renames")])  # the window was hit
-    from hf_moe.checkpoint import _renameat2
+    for op in ("save", "training_state"):
+        assert len(kinds[(op, "SIGKILL, two renames")]) == steps[f"{op} commit"]
+        assert any(f["absent_before_load"] for f in kinds[(op, "SIGKILL, two renames")])  # the window was hit
+    for fault in kinds[("convert", "EFBIG")]:  # a file-size limit is a clean CLI error (exit 2), not a traceback
+        assert fault["error"] == "RuntimeError: hf-moe convert exited 2", fault
+    from hf_moe.checkpoint.commit import _renameat2
 
     if _renameat2() is not None:  # with RENAME_EXCHANGE, OUT is never absent
         assert not any(f["absent_before_load"] for f in faults if f["kind"] == "SIGKILL")
@@ -81,32 +95,74 @@ def test_no_fault_damages_out_or_leaks_staging(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # The driver (a separate process: it forks, which a pytest process with thread pools should not)
 # --------------------------------------------------------------------------------------------------------------
-IO_CALLS = {
-    "open", "write", "pwrite", "close", "rename", "replace", "link", "symlink", "unlink", "rmdir", "mkdir",
-    "ftruncate", "fsync", "copy_file_range", "preadv", "readinto", "flock", "serialize_file", "listdir", "scandir",
-    "copyfile", "utime", "chmod",
+# Calls that can change what is on disk: os functions (and os.open, whose mode the profiler does not show) ...
+OS_STEPS = {
+    "open", "write", "pwrite", "pwritev", "writev", "close", "rename", "replace", "link", "symlink", "unlink",
+    "remove", "rmdir", "mkdir", "ftruncate", "truncate", "fsync", "fdatasync", "copy_file_range", "sendfile", "utime",
+    "chmod", "flock",
 }
-OUR_FILES = {str(ROOT / "hf_moe" / name) for name in ("checkpoint.py", "export.py", "convert/stream.py")}
-COMMIT_MARKERS = {"_commit", "_commit:return", "_exchange", "_exchange:return", "os.rename", "_carry_unrelated",
-                  "_release", "_unlock", "_finish", "_new_staging:return", "write_text"}
+# ... methods of open files (the builtin open's objects: a write, a flush, a close that flushes) ...
+FILE_STEPS = {"write", "writelines", "flush", "close", "truncate", "__exit__"}
+# ... and the file writers of safetensors (Rust) and torch.save (C++), and the builtin open itself.
+WRITER_STEPS = {"serialize_file", "write_record", "write_end_of_file", "open"}
+# Writes of a file's content: a run of them with no other step between is one step (a kill anywhere inside it leaves
+# the same file half-written; the kill before its first write is the one that counts).
+DATA_WRITES = {"os.write", "os.pwrite", "os.pwritev", "os.writev", "os.copy_file_range", "os.sendfile", "file.write",
+               "file.writelines", "file.flush", "write_record", "write_end_of_file"}
+# The commit, and its swap: their calls and returns bracket the directory swap (renameat2 through ctypes).
+COMMIT_FILE = str(ROOT / "hf_moe" / "checkpoint" / "commit.py")
+
+
+def _written_on_disk(file) -> bool:
+    """Whether a file object is a file on disk open for writing (not a BytesIO, which torch.save and DCP serialise
+    into; not a file open for reading, whose close changes nothing)."""
+    if getattr(file, "mode", "w") in ("r", "rb"):
+        return False
+    try:
+        file.fileno()
+    except io.UnsupportedOperation:
+        return False
+    except (ValueError, OSError):  # closed: it was a file
+        return True
+    return True
+
+
+def _is_step(event: str, frame, arg) -> str | None:
+    """The name of the step an event is, or None."""
+    if event == "c_call":
+        name = getattr(arg, "__name__", "")
+        owner = getattr(arg, "__self__", None)
+        if getattr(owner, "__name__", None) in ("posix", "nt", "fcntl") and name in OS_STEPS:
+            return f"os.{name}"
+        if isinstance(owner, io.IOBase):
+            return f"file.{name}" if name in FILE_STEPS and _written_on_disk(owner) else None
+        if name in WRITER_STEPS:
+            return name
+    elif event in ("call", "return") and frame.f_code.co_filename == COMMIT_FILE and frame.f_code.co_name in (
+        "commit", "_exchange"
+    ):
+        return frame.f_code.co_name + (":return" if event == "return" else "")
+    return None
 
 
 class Markers:
-    """A profile hook counting markers; at marker `kill_at` the process SIGKILLs itself."""
+    """A profile hook counting steps (see `_is_step`, `DATA_WRITES`); before step `kill_at` the process SIGKILLs
+    itself."""
 
     def __init__(self, kill_at: int | None = None, record: bool = False):
         self.kill_at, self.count, self.names = kill_at, 0, [] if record else None
+        self.writing = False
 
     def __call__(self, frame, event, arg):
-        if event == "c_call":
-            name = getattr(arg, "__name__", "")
-            if name not in IO_CALLS:
-                return
-            name = f"os.{name}"
-        elif event in ("call", "return") and frame.f_code.co_filename in OUR_FILES:
-            name = frame.f_code.co_name + (":return" if event == "return" else "")
-        else:
+        name = _is_step(event, frame, arg)
+        if name is None:
             return
+        if name in DATA_WRITES:
+            if self.writing:
+                return
+            self.writing = True
+        else:
+            self.writing = False
         self.count += 1
         if self.names is not None:
             self.names.append(name)
@@ -147,42 +203,46 @@ def run_in_child(work, prepare=None, markers: Markers | None = None) -> dict:
 
 
 class Operation:
-    """One operation that writes a new model over an old one in `out`, and how to tell the two apart.
+    """One writer that writes a new state over an old one in `out`, and how to tell the two apart.
 
-    write_new(out): the operation under test. write_old(out): the next save, which puts the old model back (a
-    cheaper save of the same model where there is one). load(out): the logits of what `out` holds.
+    write_new(out): the operation under test. write_old(out): the next write, which puts the old state back.
+    load(out): a tensor of what `out` holds (logits, or the training state's tensors).
     """
 
-    def __init__(self, name, write_new, write_old, load, out: Path, create_old=None):
+    def __init__(self, name, write_new, write_old, load, out: Path):
         self.name, self.write_new, self.write_old, self.load, self.out = name, write_new, write_old, load, out
-        (create_old or write_old)(out)
         write_old(out)
-        self.old, self.old_files = self.fingerprint(out)
+        write_old(out)
+        self.old = self.fingerprint(out)
         self.old_digest = digest(out)
         scratch = out.parent / "reference-new"
         write_new(scratch)
-        self.new, self.new_files = self.fingerprint(scratch)
+        self.new = self.fingerprint(scratch)
+        self.new_digest = digest(scratch)
         assert not self.same(self.old, self.new), name
 
     def fingerprint(self, out: Path):
-        return self.load(out), sorted(p.name for p in out.iterdir())
+        """(what it computes or holds, its file names, its tokenizer's bytes)."""
+        return self.load(out), sorted(p.name for p in out.iterdir()), tokenizer_digest(out)
 
     @staticmethod
     def same(a, b) -> bool:
         import torch
 
-        return torch.equal(a, b)
+        return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
     def state(self, out: Path) -> str:
         """'old', 'new', or what is wrong."""
+        if os.path.isdir(out) and digest(out) in (self.old_digest, self.new_digest):  # byte for byte: no load
+            return "old" if digest(out) == self.old_digest else "new"
         try:
-            logits, files = self.fingerprint(out)
+            found = self.fingerprint(out)
         except Exception as err:  # noqa: BLE001
             return f"damaged: {type(err).__name__}: {str(err)[:300]}"
-        for name, (want, want_files) in (("old", (self.old, self.old_files)), ("new", (self.new, self.new_files))):
-            if self.same(logits, want):
-                return name if files == want_files else f"damaged: {name} logits but files {files}"
-        return "damaged: other logits"
+        for name, want in (("old", self.old), ("new", self.new)):
+            if self.same(found, want):
+                return name
+        return f"damaged: files {found[1]}"
 
 
 def digest(out: Path) -> str:
@@ -191,6 +251,18 @@ def digest(out: Path) -> str:
     h = xxhash.xxh3_128()
     for path in sorted(out.iterdir()):
         h.update(path.name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"(dir)"))
+        if path.is_dir():
+            h.update(digest(path).encode())
+    return h.hexdigest()
+
+
+def tokenizer_digest(out: Path) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (out / name).is_file():
+            h.update(name.encode() + b"\0" + (out / name).read_bytes())
     return h.hexdigest()
 
 
@@ -202,9 +274,11 @@ def operations(work: Path) -> list[Operation]:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from conftest import random_ids, tiny_dense
+    from conftest import random_ids, tiny_dense, tiny_tokenizer
 
-    from hf_moe import MoEForCausalLM, convert_checkpoint, convert_to_moe, export_native
+    from hf_moe import MoEForCausalLM, convert_to_moe, export_native
+    from hf_moe.cli import main as cli
+    from hf_moe.parallel.training_state import load_training_state, save_training_state
     from transformers import AutoModelForCausalLM
 
     ids = random_ids()
@@ -220,44 +294,61 @@ def operations(work: Path) -> list[Operation]:
         return logits_of(AutoModelForCausalLM.from_pretrained(out))
 
     dense = work / "dense"
-    tiny_dense("llama").save_pretrained(dense)
+    tiny_dense("llama", num_hidden_layers=2).save_pretrained(dense)
+    tiny_tokenizer().save_pretrained(dense)
     models = {
-        seed: convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05, seed=seed) for seed in (0, 1)
+        seed: convert_to_moe(tiny_dense("llama", num_hidden_layers=2), num_experts=4, top_k=2, noise=0.05, seed=seed)
+        for seed in (0, 1)
     }
     sources = {}
     for seed, model in models.items():
         sources[seed] = work / f"moe-{seed}"
         model.save_pretrained(sources[seed])
 
-    def stream(seed):
-        return lambda out: convert_checkpoint(dense, out, 4, 2, noise=0.05, seed=seed, progress=False)
+    def convert(seed):
+        def run(out):
+            status = cli(["convert", str(dense), str(out), "--num-experts", "4", "--top-k", "2", "--noise", "0.05",
+                          "--seed", str(seed)])
+            if status != 0:
+                raise RuntimeError(f"hf-moe convert exited {status}")
+        return run
 
-    for name in ("save", "stream", "export"):
+    def optimizer_after_a_step(model):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.train()(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return optimizer
+
+    trained = {seed: (model, optimizer_after_a_step(model)) for seed, model in models.items()}
+
+    def save_state(seed):
+        model, optimizer = trained[seed]
+        return lambda out: save_training_state(out, model, optimizer, data_position={"step": seed + 1})
+
+    def state_tensors(out):
+        model = convert_to_moe(tiny_dense("llama", num_hidden_layers=2), num_experts=4, top_k=2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        position = load_training_state(out, model, optimizer)
+        moments = [t.flatten() for s in optimizer.state.values() for t in s.values() if t.dim()]
+        return torch.cat([p.detach().flatten() for p in model.parameters()] + moments
+                         + [torch.tensor([float(position["step"])])])
+
+    for name in WRITERS:
         (work / name).mkdir()
-    stream(0)(work / "streamed-0")
-    streamed_old = MoEForCausalLM.from_pretrained(work / "streamed-0")
     return [
         Operation("save", models[1].save_pretrained, models[0].save_pretrained, moe_logits, work / "save" / "out"),
-        Operation("stream", stream(1), streamed_old.save_pretrained, moe_logits, work / "stream" / "out",
-                  create_old=stream(0)),
+        Operation("convert", convert(1), convert(0), moe_logits, work / "convert" / "out"),
+        Operation("training_state", save_state(1), save_state(0), state_tensors, work / "training_state" / "out"),
         Operation("export", lambda out: export_native(sources[1], out),
-                  lambda out: export_native(models[0], out, verify=False), native_logits, work / "export" / "out",
-                  create_old=lambda out: export_native(sources[0], out, verify=False)),
+                  lambda out: export_native(sources[0], out, verify=False), native_logits, work / "export" / "out"),
     ]
 
 
-def kill_points(names: list[str], evenly: int) -> list[int]:
-    """`evenly` points spread over the run, and every commit marker (1-based)."""
-    total = len(names)
-    points = {1 + round(i * (total - 1) / (evenly - 1)) for i in range(evenly)}
-    points |= {i + 1 for i, name in enumerate(names) if name in COMMIT_MARKERS}
-    return sorted(points)
-
-
 def _two_renames():
-    import hf_moe.checkpoint as checkpoint
+    import hf_moe.checkpoint.commit as commit
 
-    checkpoint._exchange = lambda a, b: False  # as on a platform without RENAME_EXCHANGE
+    commit._exchange = lambda a, b: False  # as on a platform without RENAME_EXCHANGE
 
 
 def _limit(resource_id, soft):
@@ -311,7 +402,7 @@ def enospc_fault(op: Operation, free_fraction: float, work: Path) -> dict:
 
     mount = work / f"tmpfs-{op.name}"
     mount.mkdir(exist_ok=True)
-    used = sum(p.stat().st_size for p in op.out.iterdir())
+    used = sum(p.stat().st_size for p in op.out.rglob("*") if p.is_file())
     size = (int(used + free_fraction * used) // 4096 + 8) * 4096
     report_file = work / f"enospc-{op.name}.json"
     report_file.unlink(missing_ok=True)
@@ -346,6 +437,7 @@ def drive(work: Path) -> None:
 
     torch.set_num_threads(1)
     faults = []
+    steps = {}
     notes = []
     for op in operations(work):
         op.write_old(op.out)
@@ -354,27 +446,33 @@ def drive(work: Path) -> None:
             absent = not op.out.exists()
             state = op.state(op.out)  # (a load: it also restores a model a kill between two renames hid)
             early = leftovers(op.out) if report.get("signal") is None else []  # an error cleans up after itself
-            op.write_old(op.out)  # the next save
+            op.write_old(op.out)  # the next write
+            reset = digest(op.out) == op.old_digest or op.state(op.out) == "old"
             faults.append({
                 "op": op.name, "kind": kind, "point": point, "state": state, "error": report.get("error"),
                 "signal": report.get("signal"), "absent_before_load": absent,
-                "leaked": early + leftovers(op.out) + ([] if digest(op.out) == op.old_digest else ["(not reset)"]),
+                "leaked": early + leftovers(op.out) + ([] if reset else ["(not reset)"]),
             })
 
         dry = run_in_child(lambda: op.write_new(op.out), markers=Markers(record=True))
         assert dry["error"] is None and dry["signal"] is None, dry
         op.write_old(op.out)
-        points = kill_points(dry["names"], EVENLY_SPREAD)
-        for point in points:
+        steps[op.name] = len(dry["names"])
+        for point in range(1, steps[op.name] + 1):  # every step
             report = run_in_child(lambda: op.write_new(op.out), markers=Markers(kill_at=point))
             if report["signal"] != "SIGKILL":
                 notes.append(f"{op.name}: kill point {point} was not reached")
                 op.write_old(op.out)
                 continue
             record("SIGKILL", report, point)
-        if op.name == "save":
-            commit = [i + 1 for i, name in enumerate(dry["names"]) if name in COMMIT_MARKERS]
-            for point in kill_points(dry["names"], 4) + [c for c in commit if c not in points]:
+        if op.name in ("save", "training_state"):  # every step of the commit, with two renames instead of the swap
+            renames = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames, markers=Markers(record=True))
+            assert renames["error"] is None and "os.rename" in renames["names"], renames
+            op.write_old(op.out)
+            names = renames["names"]  # (the commit starts at its call, or at the first rename of a writer's own)
+            first = names.index("commit") if "commit" in names else names.index("os.rename")
+            steps[f"{op.name} commit"] = len(renames["names"]) - first
+            for point in range(first + 1, len(renames["names"]) + 1):
                 report = run_in_child(lambda: op.write_new(op.out), prepare=_two_renames,
                                       markers=Markers(kill_at=point))
                 if report["signal"] == "SIGKILL":
@@ -391,8 +489,9 @@ def drive(work: Path) -> None:
                 "error": result["tmpfs_error"], "signal": None, "absent_before_load": False,
                 "leaked": result["tmpfs_leaked"],
             })
-        print(f"{op.name}: {len(dry['names'])} markers, {sum(f['op'] == op.name for f in faults)} faults", flush=True)
+        print(f"{op.name}: {steps[op.name]} steps, {sum(f['op'] == op.name for f in faults)} faults", flush=True)
     (work / "faults.json").write_text(json.dumps(faults, indent=1))
+    (work / "steps.json").write_text(json.dumps(steps))
     print("\n".join(notes))
 
 

@@ -190,7 +190,9 @@ def test_from_pretrained_rejects_bad_config_fields(saved):
 def test_saved_model_loads_with_trust_remote_code_without_import_hf_moe(saved, tmp_path):
     config = json.loads((saved / "config.json").read_text())
     assert config["auto_map"] == {
-        "AutoConfig": "modeling_hf_moe.MoEConfig", "AutoModelForCausalLM": "modeling_hf_moe.MoEForCausalLM"
+        "AutoConfig": "modeling_hf_moe.MoEConfig", "AutoModelForCausalLM": "modeling_hf_moe.MoEForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_hf_moe.MoEForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_hf_moe.MoEForTokenClassification",
     }
     shim = (saved / "modeling_hf_moe.py").read_text()
     assert "from hf_moe import MoEConfig, MoEForCausalLM" in shim and len(shim.splitlines()) < 15

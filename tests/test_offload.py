@@ -11,6 +11,7 @@ import torch
 from conftest import random_ids, tiny_dense, tiny_tokenizer
 
 from hf_moe import CheckpointError, MoEForCausalLM, convert_to_moe
+from hf_moe.compat import cache_kwargs, output_cache
 from hf_moe.offload import (
     DEFAULT_POLICY,
     ExpertLayout,
@@ -149,7 +150,7 @@ def test_prefetch_predicts_next_layer_and_reports_accuracy(saved):
     handle = blocks[0].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
     with torch.no_grad(), model.base_model.router_recorder.recording() as routings:
         out = model(ids, use_cache=True)
-        model(ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        model(ids[:, :1], **cache_kwargs(output_cache(out)), use_cache=True)
     handle.remove()
     assert len(routings) == 2 * 3
     s = cache.stats

@@ -12,7 +12,7 @@ from hf_moe.ops import REFERENCE, _compiled, dispatch_ops, experts_forward, load
 from hf_moe.ops import reference as ref
 from hf_moe.ops.experts import run_experts
 
-DEVICES = ["cpu"]  # the compiled ops are C++ for CPU; CUDA runs the Triton kernels (tests/test_triton.py)
+DEVICES = ["cpu"]  # the compiled ops are C++ for CPU; CUDA runs torch ops (default) or Triton (tests/test_triton.py)
 
 
 @pytest.fixture(scope="module")
@@ -322,3 +322,111 @@ def test_no_tokens_at_all(backend, compiled):
         assert out.shape == (0, 12)
         out.sum().backward()
     assert experts.down_proj.grad.abs().sum() == 0 and x.grad.shape == (0, 12)
+
+
+# -- torch's grouped_mm path (the default on CUDA in bf16 on sm90), forced here with a stand-in --------------------
+def _nan_filling_grouped_mm(a, b, offs=None, **_):
+    """torch.nn.functional.grouped_mm as the GPU leaves it: the rows past the last group hold whatever the allocator
+    had (here NaN). 2-D x 3-D: [M, K] x [E, K, N] -> [M, N]; 2-D x 2-D (weight gradients): [A, M] x [M, B] ->
+    [E, A, B], zero for empty groups (as on sm90)."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = torch.full((a.shape[0], b.shape[-1]), float("nan"), dtype=a.dtype)
+        for e, (s, t) in enumerate(zip(starts, ends)):
+            out[s:t] = a[s:t] @ b[e]
+        return out
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(starts, ends)])
+
+
+@pytest.mark.parametrize("glu,bias", [(True, False), (False, True)])
+def test_grouped_mm_path_is_nan_safe_with_dropped_pairs(monkeypatch, glu, bias):
+    """torch's grouped_mm leaves the rows of dropped pairs unwritten; a 0/1 mask kept their NaN (NaN * 0 = NaN), which
+    reached the output, grad_x and the routing weights' gradient. Forced path, forward and backward, against the
+    token loop."""
+    monkeypatch.setattr(ref, "_use_grouped_mm", lambda *args: True)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", _nan_filling_grouped_mm, raising=False)
+    experts = _Experts(5, 12, 10, glu=glu, bias=bias)
+    x = torch.randn(30, 12, dtype=torch.float64)
+    index, weights = _routing(30, 2, 5, "dropped")
+    with use_backend("torch"):
+        got = _grads(lambda x, w: experts_forward(experts, x, index, w), experts, x, weights)
+    want = _grads(lambda x, w: _naive(experts, x, index, w), experts, x, weights)
+    out, grad_x, grad_weights, grad_params = got
+    assert all(t.isfinite().all() for t in (out, grad_x, grad_weights, *grad_params.values()))
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b)
+    for name in want[3]:  # grad_w of every expert weight (and bias)
+        torch.testing.assert_close(got[3][name], want[3][name], msg=name)
+
+
+def test_grouped_mm_runs_only_on_sm90():
+    """torch's grouped GEMM only where it is its fast path and correct: bf16 on sm90. Not sm100+ (non-zero weight
+    gradients for experts without rows, pytorch/pytorch#172439), nor older GPUs (a host-syncing loop). Capabilities
+    faked: no GPU here."""
+    cuda, bf16, fp32 = torch.device("cuda", 0), torch.bfloat16, torch.float32
+    usable = ref.torch_grouped_mm_usable
+    assert usable(cuda, (bf16, bf16), (2048, 1536), capability=(9, 0))
+    for capability in [(10, 0), (10, 3), (12, 0), (8, 0), (8, 9)]:
+        assert not usable(cuda, (bf16, bf16), (2048, 1536), capability=capability), capability
+    assert not usable(cuda, (fp32, fp32), (2048, 1536), capability=(9, 0))
+    assert not usable(cuda, (bf16, bf16), (2048, 20), capability=(9, 0))  # 16-byte aligned strides only
+    assert not usable(torch.device("cpu"), (bf16, bf16), (2048, 1536), capability=(9, 0))
+    assert "pytorch/pytorch#172439" in ref.GROUPED_MM_WHY
+
+
+# -- autocast: what Trainer(bf16=True) runs (fp32 weights, bf16 compute) ---------------------------------------------
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32_x", "bf16_x"])
+@pytest.mark.parametrize("backend", ["torch", "compiled"])
+def test_autocast_with_fp32_weights(backend, x_dtype, compiled):
+    """Under torch.autocast(bfloat16) with fp32 expert weights the experts run in bf16, exactly as on bf16 copies
+    of the weights, and the fp32 weights get fp32 gradients (the bf16 ones, cast back)."""
+    experts = _Experts(4, 16, 12, glu=True, bias=True, dtype=torch.float32)
+    bf16 = _Experts(4, 16, 12, glu=True, bias=True, dtype=torch.float32).to(torch.bfloat16)
+    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in experts.state_dict().items()})
+    x = torch.randn(20, 16, dtype=x_dtype)
+    index, weights = _routing(20, 2, 4, "dropped")
+    weights = weights.float()
+    with use_backend(backend):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = _grads(lambda x, w: experts_forward(experts, x, index, w), experts, x, weights)
+        want = _grads(lambda x, w: experts_forward(bf16, x.bfloat16(), index, w), bf16, x, weights)
+    assert got[0].dtype == torch.bfloat16 and torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1].to(x_dtype))
+    for name, grad in got[3].items():
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, want[3][name].float(), msg=name)
+
+
+@pytest.mark.slow
+def test_converted_model_trains_under_autocast():
+    """A converted model with fp32 weights, a forward and backward under CPU autocast in bf16 (Trainer(bf16=True))."""
+    from conftest import random_ids, tiny_dense
+
+    from hf_moe import convert_to_moe
+
+    model = convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2).train()
+    ids = random_ids(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.loss.isfinite()
+    grads = {n: p.grad for n, p in model.named_parameters() if "experts" in n}
+    assert grads and all(g is not None and g.dtype == torch.float32 and g.isfinite().all() for g in grads.values())
+
+
+# -- warm-up ------------------------------------------------------------------------------------------------------
+def test_warmup_runs_each_expert_layer_and_leaves_the_model_alone(compiled):
+    from conftest import tiny_dense
+
+    from hf_moe import convert_to_moe
+    from hf_moe.ops import warmup
+
+    model = convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lines = warmup(model, tokens=[16, 64])
+    assert len(lines) == 2 and "alike" in lines[0] and "16 tokens x 2 experts, compiled" in lines[0]
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="no experts module"):
+        warmup(torch.nn.Linear(3, 3), tokens=4, top_k=1)

@@ -1,4 +1,4 @@
-"""Every code block of README.md runs as written.
+"""Every code block of README.md and of the pages in docs/ runs as written.
 
 Fenced blocks tagged ```python or ```bash are executed, one test each (ids `L<line>-<lang>`, the line of the
 opening fence); ```text and untagged blocks (output, file trees) never are. A block is skipped only when an HTML
@@ -21,7 +21,7 @@ Each executed block runs in a fresh working directory holding the fixtures the R
 
 Python blocks run as a script with this interpreter, bash blocks with `bash -euo pipefail -c`, with `python` and
 `hf-moe` of this environment first on PATH, the repository on PYTHONPATH, and the hub offline. HF_MOE_README=FILE
-runs another markdown file instead of README.md (to test this harness).
+runs another markdown file instead of README.md and docs/ (to test this harness).
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ import pytest
 from conftest import tiny_dense, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
-README = Path(os.environ.get("HF_MOE_README") or REPO / "README.md").resolve()
+README = REPO / "README.md"
+DOCUMENTS = (
+    [Path(os.environ["HF_MOE_README"]).resolve()] if os.environ.get("HF_MOE_README")
+    else [README, *sorted((REPO / "docs").glob("*.md"))]
+)
+README_MAX_LINES = 300
 RUN_LANGUAGES = ("python", "bash")
 LANGUAGES = RUN_LANGUAGES + ("text", "")
 TIMEOUT_S = 600
@@ -165,20 +170,24 @@ def _prompt_lines(code: str, prompt: str) -> list[tuple[int, str]]:
     ]
 
 
-def _readme_blocks() -> tuple[list[Block], list[str]]:
-    return parse_blocks(README.read_text(encoding="utf-8"))
+def _name(document: Path) -> str:
+    return str(document.relative_to(REPO)) if document.is_relative_to(REPO) else document.name
+
+
+def _blocks(document: Path) -> tuple[list[Block], list[str]]:
+    return parse_blocks(document.read_text(encoding="utf-8"))
 
 
 def _params():
-    blocks, _ = _readme_blocks()
     params = []
-    for block in blocks:
-        if block.lang not in RUN_LANGUAGES:
-            continue
-        marks = [pytest.mark.slow]
-        if block.skip is not None:
-            marks = [pytest.mark.skip(reason=f"{README.name} line {block.line}: {block.skip}")]
-        params.append(pytest.param(block, marks=marks, id=block.id))
+    for document in DOCUMENTS:
+        for block in _blocks(document)[0]:
+            if block.lang not in RUN_LANGUAGES:
+                continue
+            marks = [pytest.mark.slow]
+            if block.skip is not None:
+                marks = [pytest.mark.skip(reason=f"{_name(document)} line {block.line}: {block.skip}")]
+            params.append(pytest.param(document, block, marks=marks, id=f"{_name(document)}:{block.id}"))
     return params
 
 
@@ -283,20 +292,31 @@ def block_dir(readme_fixtures, tmp_path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------------ tests
-def test_readme_blocks_are_well_formed():
+@pytest.mark.parametrize("document", DOCUMENTS, ids=_name)
+def test_readme_blocks_are_well_formed(document: Path):
     """Nothing is silently not run: every block is python, bash, text or untagged; every skip comment has a reason
     and sits right before a runnable block; runnable blocks hold no interactive prompts."""
-    blocks, problems = _readme_blocks()
-    assert not problems, f"{README}:\n" + "\n".join(problems)
-    assert any(b.lang in RUN_LANGUAGES for b in blocks), f"{README} has no ```python or ```bash block"
+    blocks, problems = _blocks(document)
+    assert not problems, f"{document}:\n" + "\n".join(problems)
+    if document == README:
+        assert any(b.lang in RUN_LANGUAGES for b in blocks), f"{document} has no ```python or ```bash block"
 
 
-@pytest.mark.parametrize("block", _params())
-def test_readme_block(block: Block, block_dir: Path):
+def test_readme_is_a_short_front_door_to_every_page():
+    """The README stays short, and links every page of docs/ (a page nobody can find is not documentation)."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_MAX_LINES
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
+    assert pages, "docs/ has no pages"
+    assert [p for p in pages if f"(docs/{p})" not in text and f"(docs/{p}#" not in text] == []
+
+
+@pytest.mark.parametrize("document, block", _params())
+def test_readme_block(document: Path, block: Block, block_dir: Path):
     prompt = "$ " if block.lang == "bash" else ">>> "
     prompts = _prompt_lines(block.code, prompt)
     if prompts:
-        pytest.fail(f"{README.name} line {block.line + 1 + prompts[0][0]}: {prompts[0][1]}\n{_numbered(block)}",
+        pytest.fail(f"{_name(document)} line {block.line + 1 + prompts[0][0]}: {prompts[0][1]}\n{_numbered(block)}",
                     pytrace=False)
     if block.lang == "python":
         script = block_dir.parent / f"readme_L{block.line}.py"  # outside the working directory the block sees
@@ -310,7 +330,7 @@ def test_readme_block(block: Block, block_dir: Path):
     what = f"timed out after {TIMEOUT_S} s" if status is None else f"failed with exit status {status}"
     tail = "\n".join(output.splitlines()[-TAIL_LINES:])
     pytest.fail(
-        f"{README.name} line {block.line}: the ```{block.lang} block {what} (in {block_dir})\n"
+        f"{_name(document)} line {block.line}: the ```{block.lang} block {what} (in {block_dir})\n"
         f"--- block ---\n{_numbered(block)}\n--- last {TAIL_LINES} lines of output ---\n{tail}",
         pytrace=False,
     )
@@ -408,8 +428,8 @@ def test_final_lines():
 def test_parse_blocks_skip_reaches_the_block():
     blocks, problems = parse_blocks("<!-- readme-test: skip: slow -->\n```bash\nls\n```\n")
     assert problems == [] and blocks == [Block(2, "bash", "ls\n", "slow")]
-    params = [p for p in _params()]  # the README's own blocks: skipped ones carry their reason
+    params = [p for p in _params()]  # the documents' own blocks: skipped ones carry their reason
     for param in params:
-        (block,) = param.values
-        assert param.id == block.id
+        document, block = param.values
+        assert param.id == f"{_name(document)}:{block.id}"
         assert any(m.name == ("skip" if block.skip else "slow") for m in param.marks)

@@ -4,7 +4,8 @@ TRL's SFTTrainer, PEFT LoRA (attention and the fused expert parameters) with sav
 AutoPeftModelForCausalLM, DeepSpeed ZeRO-3 against ZeRO-2, lm-eval's HFLM and `pipeline("text-generation")`. The tools
 that build the model from a path (AutoPeftModel, lm-eval, pipeline) are also run in a fresh process that never
 imported hf_moe: there the model comes through the `auto_map` shim of the checkpoint. torch.compile without graph
-breaks is tested in test_integration.py. The README's tool table ("Works with") is the summary of this file.
+breaks is tested in test_integration.py. docs/tools.md is the summary of this file, and the README's "Works with"
+table the summary of that.
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ def test_deepspeed_zero3_matches_zero2(tmp_path):
     differences (about 4e-8 on gradients of up to 0.2), so it is DeepSpeed's rounding, not hf_moe's. No gradient
     clipping, whose norm would add another summation order."""
     if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (scripts/test.sh installs it; see the README's 'Works with')")
+        pytest.skip("deepspeed is not installed (scripts/test.sh installs it; see docs/tools.md)")
     out = tmp_path / "losses.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "dist" / "deepspeed_zero.py"), str(out)]

@@ -125,35 +125,94 @@ def test_kernels_under_the_interpreter(tmp_path, capsys):
 @pytest.mark.slow
 @parent_only
 def test_every_kernel_compiles_for_sm90():
-    """The GPU code path through Triton's compiler (no GPU needed): every kernel, the GEMMs in every autotune config,
-    to PTX with wgmma for the GEMMs, and ptxas' cubin with no register spills and within sm90's shared memory."""
+    """The GPU code path through Triton's compiler (no GPU needed): every kernel, the GEMMs in every autotune config
+    of bf16, fp16, fp32 (FMA), TF32 and a row stride that is not a multiple of 16, to PTX (wgmma on tensor cores,
+    cp.async pipelining where the strides allow) and ptxas' cubin: no spill (no stack frame, no STL/LDL) and within
+    sm90's shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "hf_moe.ops.triton.aot"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
+    cmd = [sys.executable, "-m", "hf_moe.ops.triton.aot", "--dtype", "all", "--odd-stride", "--gemms-only"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-5000:]
-    rows = [line.split() for line in result.stdout.splitlines()[3:] if line.strip()]
-    compiled = {" ".join(row[:-5]): row[-5:] for row in rows}
+    rows = [line.rsplit(None, 7) for line in result.stdout.splitlines()[3:] if line.strip()]
+    compiled = {row[0]: row[1:] for row in rows}
     from hf_moe.ops.triton import aot
 
-    assert set(compiled) == {label for label, *_ in aot.cases()}, result.stdout
-    names = {aot_case[1].fn.__name__ for aot_case in aot.cases()}
-    assert names == all_kernel_names()  # every kernel has a case
-    for label, (_, regs, spill, shared_kb, wgmma) in compiled.items():
-        assert int(spill) == 0, f"{label} spills registers:\n{result.stdout}"
+    every = [*(c for d in aot.DTYPES for c in aot.cases(d, gemms_only=d != "bf16")), *aot.cases("bf16", True)]
+    assert set(compiled) == {label for label, *_ in every}, result.stdout
+    assert {case[1].fn.__name__ for case in every} == all_kernel_names()  # every kernel has a case
+    for label, (_, regs, stack, spills, shared_kb, wgmma, cp_async) in compiled.items():
+        assert int(stack) == 0 and int(spills) == 0, f"{label} spills registers:\n{result.stdout}"
         assert float(shared_kb) <= 227, f"{label} needs more shared memory than sm90 has:\n{result.stdout}"
         assert int(regs) <= 255
         if label.startswith(("grouped_mm", "weight_grad")):
-            assert wgmma == "yes", f"{label} does not use wgmma:\n{result.stdout}"
+            assert (wgmma == "yes") == ("fp32" not in label), f"{label}: wgmma={wgmma}\n{result.stdout}"
+            if "odd" not in label:
+                assert cp_async == "yes", f"{label} is not pipelined:\n{result.stdout}"
+
+
+@pytest.mark.slow
+@parent_only
+def test_aot_check_sees_spills():
+    """The check reads the stack frame and counts STL/LDL: the old fp32 128 x 256 tile spills ~13 KB per thread."""
+    from hf_moe.compat import TritonASTSource, TritonGPUTarget
+    from hf_moe.ops.triton import aot, configs
+
+    import triton
+
+    label, kernel, args, warps, stages = next(aot.cases("fp32", gemms_only=True))
+    args = dict(args, **configs.TENSOR_CORE[0].kwargs, EVEN_K=True)  # 128 x 256 x 64, as before the fix
+    compiled = triton.compile(TritonASTSource(kernel, *aot._signature(kernel, args)),
+                              target=TritonGPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+    found = aot._resources(compiled.asm["cubin"])
+    assert found["STACK"] > 8192 and found["SPILLS"] > 100, found
+
+
+@parent_only
+def test_configs_fit_the_device_shared_memory():
+    """In TF32 (fp32 operands, 4 bytes) the 128 x 128 x 64 tile with 4 stages needs 256 KB and 128 x 256 x 64 with 3
+    needs 288 KB; sm90 allows 227 KB per block. They run with fewer stages; bf16 keeps every config as it is; fp32 at
+    "highest" precision and rows not 16-aligned get their own spill-free tiles; the autotuner's pruner asks the
+    device (sm90's limit for the interpreter's CPU tensors)."""
+    from hf_moe.ops.triton import configs
+
+    sm90 = 227 * 1024
+    assert configs.SHARED_BY_MAJOR[9] == sm90
+    big, square = configs.TENSOR_CORE[0], configs.TENSOR_CORE[1]
+    assert configs.shared_bytes(square, 4) == 256 * 1024 and configs.shared_bytes(big, 4) == 288 * 1024
+    assert configs.shared_bytes(big, 2) == 144 * 1024
+    tf32 = configs.configs_for("grouped_mm", torch.float32, "tf32", sm90)
+    assert [(configs.tile(c), c.num_stages) for c in tf32] == [
+        ((128, 256, 64), 2), ((128, 128, 64), 3), ((64, 128, 64), 4), ((64, 64, 128), 3)]
+    for kind in configs.KINDS:
+        for dtype, precision in [(torch.float32, "tf32"), (torch.bfloat16, None), (torch.float16, None),
+                                 (torch.float32, "ieee"), (torch.float64, "ieee")]:
+            for limit in (sm90, configs.SHARED_BY_MAJOR[8], 100 * 1024):
+                fitted = configs.configs_for(kind, dtype, precision, limit)
+                assert fitted and all(configs.shared_bytes(c, dtype.itemsize) <= limit for c in fitted)
+    bf16 = configs.configs_for("grouped_mm", torch.bfloat16, None, sm90)
+    assert [(c.kwargs, c.num_stages) for c in bf16] == [(c.kwargs, c.num_stages) for c in configs.TENSOR_CORE]
+    assert configs.configs_for("grouped_mm", torch.float32, "ieee", sm90)[0].kwargs == configs.FMA[0].kwargs
+    unaligned = configs.configs_for("weight_grad", torch.bfloat16, None, sm90, aligned=False)
+    assert [c.kwargs for c in unaligned] == [c.kwargs for c in configs.UNALIGNED_WEIGHT_GRAD]
+    x = torch.empty(4, 8, dtype=torch.float32)
+    pruned = configs.pruner("grouped_mm")(configs.EVERY["grouped_mm"], dict(a_ptr=x, stride_am=2048, stride_bk=1,
+                                                                           stride_bn=2048), PRECISION="tf32")
+    assert [(c.kwargs, c.num_stages) for c in pruned] == [(c.kwargs, c.num_stages) for c in tf32]
+    odd = configs.pruner("grouped_mm")(configs.EVERY["grouped_mm"], dict(a_ptr=x.bfloat16(), stride_am=2056,
+                                                                        stride_bk=1, stride_bn=2056), PRECISION=None)
+    assert [c.kwargs for c in odd] == [c.kwargs for c in configs.UNALIGNED]
 
 
 @parent_only
 def test_grouped_mm_selection_with_faked_capability():
-    """torch's grouped_mm for bf16 on sm90/sm100 with 16-byte aligned dims; the Triton GEMM everywhere else."""
+    """torch's grouped_mm for bf16 on sm90 with 16-byte aligned dims; the Triton GEMM everywhere else, sm100 included
+    (torch's grouped_mm gives experts without rows non-zero weight gradients there: pytorch/pytorch#172439)."""
     from hf_moe.ops.triton.grouped_gemm import torch_grouped_mm_usable as usable
 
     cuda, bf16, fp32 = torch.device("cuda", 0), torch.bfloat16, torch.float32
     assert usable(cuda, (bf16, bf16), (2048, 1536), capability=(9, 0))
-    assert usable(cuda, (bf16, bf16), (2048, 1536), capability=(10, 0))
+    assert not usable(cuda, (bf16, bf16), (2048, 1536), capability=(10, 0))
+    assert not usable(cuda, (bf16, bf16), (2048, 1536), capability=(10, 3))
     assert not usable(cuda, (bf16, bf16), (2048, 1536), capability=(8, 0))  # torch's fallback syncs: Triton
     assert not usable(cuda, (bf16, bf16), (2048, 1536), capability=(12, 0))
     assert not usable(cuda, (fp32, fp32), (2048, 1536), capability=(9, 0))
@@ -190,27 +249,32 @@ def test_env_reports_the_triton_backend():
     assert importlib.metadata.version("triton") in triton_line
     assert ON_GPU or "no CUDA device is visible" in triton_line and "TRITON_INTERPRET=1" in triton_line
     assert any(line.startswith("experts on CUDA") and "HF_MOE_BACKEND=torch" in line for line in lines)
+    auto = subprocess.run([sys.executable, "-m", "hf_moe.env"], cwd=ROOT, env={**env, "HF_MOE_BACKEND": "auto"},
+                          capture_output=True, text=True, timeout=600)
+    default = next(line for line in auto.stdout.splitlines() if line.startswith("default on CUDA"))
+    assert "torch ops" in default and "hf_moe.gpu_check" in default, auto.stdout
 
 
 @parent_only
-def test_cuda_defaults_to_triton(monkeypatch):
-    """On CUDA, auto selects Triton when it can run; otherwise torch with a warning (auto) or an error (compiled).
-    Triton's status on CUDA is faked: no GPU here."""
-    import hf_moe.ops as ops
+def test_cuda_defaults_to_torch(monkeypatch):
+    """On CUDA, auto (and compiled) run the pure-torch ops even where Triton could run: the Triton kernels are opt-in
+    (HF_MOE_BACKEND=triton) until they pass gpu_check on a GPU. Triton's status on CUDA is faked: no GPU here."""
+    import hf_moe.ops.backend as backend
 
-    monkeypatch.setattr(ops, "_triton_status", lambda device_type: (True, "faked sm90"))
-    for setting in ("auto", "compiled", "triton"):
+    monkeypatch.setattr(backend, "_triton_status", lambda device_type: (True, "faked sm90"))
+    for setting in ("auto", "compiled"):
         monkeypatch.setenv("HF_MOE_BACKEND", setting)
-        assert ops._choose("cuda") == "triton"
-    monkeypatch.setattr(ops, "_triton_status", lambda device_type: (False, "triton is not installed"))
-    monkeypatch.setenv("HF_MOE_BACKEND", "auto")
-    with pytest.warns(RuntimeWarning, match="triton is not installed"):
-        assert ops._choose("cuda") == "torch"
-    monkeypatch.setenv("HF_MOE_BACKEND", "compiled")
-    with pytest.raises(RuntimeError, match="HF_MOE_BACKEND=compiled.*triton is not installed"):
-        ops._choose("cuda")
+        assert backend._choose("cuda") == "torch"
+        assert "have not yet passed `python -m hf_moe.gpu_check`" in backend.cuda_default()[1]
+        assert backend.backend_report()["experts on CUDA"][0].startswith("torch ops")
+    monkeypatch.setenv("HF_MOE_BACKEND", "triton")
+    assert backend._choose("cuda") == "triton"
+    assert backend.backend_report()["experts on CUDA"][0].startswith("triton kernels (opt-in)")
+    monkeypatch.setattr(backend, "_triton_status", lambda device_type: (False, "triton is not installed"))
+    with pytest.raises(RuntimeError, match="cannot run on cuda tensors: triton is not installed"):
+        backend._variant("triton", "cuda", "silu")
     with pytest.raises(RuntimeError, match="runs on CPU tensors, not cuda"):
-        ops._variant("compiled", "cuda", "silu")
+        backend._variant("compiled", "cuda", "silu")
 
 
 def _experts_module():
@@ -335,7 +399,7 @@ def test_activation_forward_and_backward(activation, glu, dtype):
 
 @kernels
 def test_gpu_block_sizes_on_small_shapes():
-    """The GPU configs (every autotune config of both GEMMs, and the other kernels' blocks) on small shapes.
+    """The GPU configs (every autotune config of both GEMMs for fp32, and the other kernels' blocks) on small shapes.
     fp32 sums of 136 products in another order: 1e-5 relative."""
     tol = dict(rtol=1e-5, atol=1e-4)
     n, k, e, h, inter = 70, 2, 4, 136, 72  # 140 rows > a 128-row tile, H > 128 columns
@@ -355,13 +419,15 @@ def test_gpu_block_sizes_on_small_shapes():
         torch.testing.assert_close(a, b)
     w = torch.randn(e, 2 * inter, h, device=DEVICE)
     want = ref.grouped_mm(rows, w, counts, None, None, True)
-    for config in gemm_k.SM90_CONFIGS:
+    from hf_moe.ops.triton.configs import configs_for
+
+    for config in configs_for("grouped_mm", x.dtype):  # the configs a GPU would launch for fp32 (at this precision)
         meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         torch.testing.assert_close(gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, k, config=meta),
                                    want, **tol)
     g = torch.randn(n * k, 2 * inter, device=DEVICE)
     want = ref.grouped_mm_weight_grad(g, rows, counts)
-    for config in gemm_k.SM90_WEIGHT_GRAD_CONFIGS:
+    for config in configs_for("weight_grad", x.dtype):
         meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         torch.testing.assert_close(gemm_k.grouped_mm_weight_grad(g, x, counts, sorted_slots, k, "x", config=meta),
                                    want, **tol)
@@ -392,9 +458,8 @@ def test_torch_grouped_mm_is_called_where_usable(monkeypatch):
     x, w = torch.randn(n, 16, device=DEVICE), torch.randn(e, 24, 16, device=DEVICE)
     calls = []
     monkeypatch.setattr(gemm_k, "torch_grouped_mm_usable", lambda *a, **kw: True)
-    monkeypatch.setattr(gemm_k.reference, "grouped_mm", lambda *a: calls.append("mm") or ref_grouped_mm(*a))
-    monkeypatch.setattr(gemm_k.reference, "grouped_mm_weight_grad",
-                        lambda *a: calls.append("dw") or ref_weight_grad(*a))
+    monkeypatch.setattr(gemm_k, "torch_grouped_mm", lambda *a: calls.append("mm") or ref_grouped_mm(*a))
+    monkeypatch.setattr(gemm_k, "torch_grouped_mm_weight_grad", lambda *a: calls.append("dw") or ref_weight_grad(*a))
     before = dict(launch_counts)
     got = gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, k)
     dw = gemm_k.grouped_mm_weight_grad(torch.randn(n * k, 24, device=DEVICE), x, counts, sorted_slots, k, "x")
@@ -402,6 +467,10 @@ def test_torch_grouped_mm_is_called_where_usable(monkeypatch):
     assert launch_counts["_grouped_mm_kernel"] == before.get("_grouped_mm_kernel", 0)
     assert launch_counts["_permute_kernel"] == before.get("_permute_kernel", 0) + 2
     torch.testing.assert_close(got, ref_grouped_mm(ref.permute(x, sorted_slots, k), w, counts, None, None, True))
+    calls.clear()  # torch_gemm=False: the Triton kernel all the same (how gpu_check tests it on sm90 in bf16)
+    own = gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, k, torch_gemm=False)
+    torch.testing.assert_close(own, got)
+    assert calls == [] and launch_counts["_grouped_mm_kernel"] > before.get("_grouped_mm_kernel", 0)
 
 
 ref_grouped_mm, ref_weight_grad = ref.grouped_mm, ref.grouped_mm_weight_grad
@@ -574,3 +643,102 @@ def test_benchmark_gpu_table_runs_tiny_under_the_interpreter():
     for name in ("Mixtral-like tiny", "Qwen3-30B-A3B-like tiny"):
         assert sum(line.startswith(name) for line in result.stdout.splitlines()) == 4, result.stdout
     assert result.stdout.count("outside its expert GEMMs") == 2, result.stdout
+
+
+# -- the GPU path's failure modes (issue 18): autocast, autotuning outside the step, compile failures ----------------
+@kernels
+def test_layer_under_autocast_with_fp32_weights():
+    """bf16 activations and fp32 weights under torch.autocast (Trainer(bf16=True)): the Triton GEMMs refused the
+    mixed dtypes; the weights are now cast as autocast casts them for nn.Linear, and the result is the torch
+    backend's under the same autocast."""
+    experts = _Experts(5, 24, 20, glu=True, bias=True, dtype=torch.float32).to(DEVICE)
+    x = torch.randn(30, 24, device=DEVICE, dtype=torch.bfloat16)
+    index, weights = _index(30, 2, 5, "dropped")
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = _layer(experts, x, index, weights.float(), "triton")
+        want = _layer(experts, x, index, weights.float(), "torch")
+    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in got[3].values())
+    _compare(got, want, dict(rtol=5e-2, atol=5e-2))
+
+
+@kernels
+def test_warmup_autotunes_before_the_step(monkeypatch):
+    """`hf_moe.ops.warmup(model, tokens=N)` times the GEMM configs (autotuning) for every shape a training step of N
+    tokens launches, so the step itself times nothing. Under the interpreter the autotuner runs when asked to."""
+    from conftest import random_ids, tiny_dense
+
+    from hf_moe import convert_to_moe
+    from hf_moe.ops import warmup
+
+    monkeypatch.setattr(gemm_k, "USE_AUTOTUNER", True)
+    monkeypatch.setattr(gemm_k, "tuned_keys", set())
+    monkeypatch.setattr(gemm_k, "_TUNED", {})
+    monkeypatch.setattr(gemm_k, "bench_calls", [])
+    model = convert_to_moe(tiny_dense("llama", num_hidden_layers=2, hidden_size=32, intermediate_size=40,
+                                      num_attention_heads=4), num_experts=4, top_k=2).to(DEVICE).train()
+    ids = random_ids(2, 8).to(DEVICE)
+    with use_backend("triton"):
+        lines = warmup(model, tokens=ids.numel())
+        tuned, timed = set(gemm_k.tuned_keys), len(gemm_k.bench_calls)
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert tuned and "triton" in lines[0], lines
+    assert gemm_k.tuned_keys == tuned, "the training step autotuned a shape the warm-up did not cover"
+    assert len(gemm_k.bench_calls) == timed  # (counted under the interpreter only)
+
+
+@kernels
+def test_untuned_shape_during_graph_capture_runs_untuned(monkeypatch):
+    """Autotuning cannot run inside a CUDA-graph capture: a shape never tuned runs the first config, after one
+    warning that names warmup; the result is right. (The capture is faked.)"""
+    monkeypatch.setattr(gemm_k, "USE_AUTOTUNER", True)
+    monkeypatch.setattr(gemm_k, "tuned_keys", set())
+    monkeypatch.setattr(gemm_k, "_TUNED", {})
+    monkeypatch.setattr(gemm_k, "bench_calls", [])
+    monkeypatch.setattr(gemm_k, "_warned_capture", set())
+    monkeypatch.setattr(gemm_k, "_capturing", lambda device: True)
+    index, _ = _index(20, 2, 4, "dropped")
+    sorted_slots, _, counts = ref.sort_by_expert(index, 4)
+    x, w = torch.randn(20, 16, device=DEVICE), torch.randn(4, 24, 16, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="during CUDA-graph capture.*hf_moe.ops.warmup"):
+        got = gemm_k.grouped_mm(x, w, counts, None, None, True, sorted_slots, 2)
+    assert gemm_k.bench_calls == [] and gemm_k.tuned_keys == set()  # nothing was timed, nothing counts as tuned
+    torch.testing.assert_close(got, ref.grouped_mm(ref.permute(x, sorted_slots, 2), w, counts, None, None, True))
+
+
+@kernels
+def test_a_kernel_that_fails_to_compile_falls_back_to_torch(monkeypatch):
+    """On the triton backend, a GEMM whose kernel does not compile (here: shared memory the GPU cannot hold) runs the
+    pure-torch op from then on, after one warning naming HF_MOE_BACKEND=torch; training goes on, with the torch
+    backend's results."""
+    from triton.runtime.errors import OutOfResources
+
+    from hf_moe.ops import experts_forward
+    from hf_moe.ops.triton import ops as triton_ops
+
+    monkeypatch.setattr(triton_ops, "fell_back", {})
+
+    def no_resources(kernel, *args, **kwargs):
+        raise OutOfResources(294912, 232448, "shared memory")
+
+    monkeypatch.setattr(gemm_k, "launch", no_resources)
+    experts = _Experts(4, 12, 10, glu=True, bias=True, dtype=torch.float32).to(DEVICE)
+    x = torch.randn(20, 12, device=DEVICE)
+    index, weights = _index(20, 2, 4, "dropped")
+    with pytest.warns(RuntimeWarning, match="failed to compile.*HF_MOE_BACKEND=torch") as caught:
+        got = _layer(experts, x, index, weights.float(), "triton")
+        again = _layer(experts, x, index, weights.float(), "triton")
+    assert {w.message.args[0].split(" failed")[0] for w in caught} == {
+        "hf_moe: the Triton kernel of grouped_mm", "hf_moe: the Triton kernel of grouped_mm_weight_grad"}
+    assert set(triton_ops.fell_back) == {"grouped_mm", "grouped_mm_weight_grad"}
+    want = _layer(experts, x, index, weights.float(), "torch")
+    _compare(got, want, dict(rtol=1e-5, atol=1e-5))
+    _compare(again, want, dict(rtol=1e-5, atol=1e-5))
+    with use_backend("triton"):
+        experts_forward(experts, x, index, weights.float())  # still runs
+
+
+@parent_only
+def test_activation_kernels_match_the_ops_list():
+    from hf_moe.ops.triton import activation, ops
+
+    assert set(activation.ACTIVATIONS) == set(ops.ACTIVATIONS)

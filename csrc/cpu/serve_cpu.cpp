@@ -420,14 +420,9 @@ std::string serve_isa_cpu() { return serve::serve_kernels("auto").isa; }
 
 }  // namespace
 
+// moe_experts_infer's schema is defined in Python with the other ops (hf_moe/ops/library.py), so saved programs
+// that call it load after `import hf_moe`; this file registers its CPU kernel. Inference only (no autograd).
 TORCH_LIBRARY_FRAGMENT(hf_moe, m) {
-  // Inference only (no autograd): hidden_states [N, H] fp32 or bf16; w1 [E, W, H], w2 [E, H, I] fp32, bf16 or
-  // int8 with fp32 scales [E, out] or [E, out, groups]; returns [N, H] in hidden_states' dtype. `kernels`:
-  // "auto" (the best for this CPU) or "portable" (tests).
-  m.def(
-      "moe_experts_infer(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, Tensor w1, "
-      "Tensor? w1_scale, Tensor? b1, Tensor w2, Tensor? w2_scale, Tensor? b2, str activation, bool glu, "
-      "str kernels=\"auto\") -> Tensor");
   m.def("serve_isa() -> str", &serve_isa_cpu);  // the kernel set "auto" picks on this CPU
 }
 

@@ -14,10 +14,12 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
+from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
-from ..modeling import MoEForCausalLM
+from ..model_card import hub_model_id
+from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block
@@ -87,11 +89,12 @@ def convert_to_moe(
     *,
     inplace: bool = False,
     **options,
-) -> MoEForCausalLM:
-    """Turn a dense causal LM into an `MoEForCausalLM`.
+) -> MoEPreTrainedModel:
+    """Turn a dense causal LM into an `MoEForCausalLM` (or a classifier of the family, a `...ForSequenceClassification`
+    or `...ForTokenClassification`, into the MoE class of its head).
 
     Args:
-        model_or_path: a loaded `...ForCausalLM`, or a local directory / Hub id to load it from. A loaded model is
+        model_or_path: a loaded model, or a local directory / Hub id to load the causal LM from. A loaded model is
             left as it was (the MoE model is built on a copy of it) unless `inplace=True`.
         num_experts: experts per MoE layer.
         top_k: experts per token (`num_experts_per_tok`).
@@ -145,7 +148,7 @@ def convert_to_moe(
     for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False):
         layer_acts = activations.pop(i) if activations is not None else None
         blocks[i] = convert_block(method, mlps.pop(i), config, opts, layer_acts, generator)
-    moe = MoEForCausalLM.from_dense(model, config, blocks)
+    moe = MoEPreTrainedModel.from_dense(model, config, blocks)
 
     if dense_logits is not None:
         moe_logits = _logits(moe, probe)
@@ -213,6 +216,7 @@ def moe_config(
         moe_conversion={
             "method": method,
             "base_model": source,
+            "base_model_hub_id": hub_model_id(source),  # the model card's `base_model`
             "license": license,
             "options": {k: _jsonable(opts[k]) for k in RECORDED_OPTIONS if opts[k] != OPTIONS[k]},
         },
@@ -239,7 +243,7 @@ def convert_block(
 
 
 def progress_text(method: str, num_layers: int, num_experts: int) -> str:
-    verb = {"upcycle": "Upcycling", "split": "Splitting"}[method]
+    verb = {"upcycle": "Upcycling", "split": "Splitting", "merge": "Merging"}[method]
     return f"{verb} {num_layers} MLPs into {num_experts} experts"
 
 
@@ -280,11 +284,14 @@ def _check_method_options(method: str, given: dict, opts: dict) -> None:
 def _expert_sizes(method: str, mlp: DenseMLP, num_experts: int, num_shared: int) -> dict[str, Any]:
     """moe_intermediate_size, shared_expert_intermediate_size and moe_output_bias for the method.
 
+    merge: every routed and shared expert is a whole MLP of size I.
     upcycle: the I neurons are cut into S + 1 slices: S shared experts, and routed experts copying the rest.
     split: the I neurons are cut into E + S equal experts; the MLP's output bias, added once per token, goes to
     the shared experts, or to the block (`moe_output_bias`) when there are none.
     """
     size = mlp.intermediate_size
+    if method == "merge":  # every expert is a whole source MLP, and so is a shared expert (convert/merge.py)
+        return {"moe_intermediate_size": size, "shared_expert_intermediate_size": size if num_shared else None}
     if method == "upcycle":
         slice_size = size // (num_shared + 1)
         if num_shared and slice_size < 1:
@@ -316,8 +323,8 @@ def _tokenizer(tokenizer, model_or_path):
     source = tokenizer if tokenizer is not None else model_or_path
     if isinstance(source, PreTrainedModel):
         source = source.config.name_or_path
-    try:
-        return AutoTokenizer.from_pretrained(os.fspath(source))
+    try:  # (a local directory's tokenizer files are read through the guarded opener)
+        return load_tokenizer(source) if os.path.isdir(source) else AutoTokenizer.from_pretrained(os.fspath(source))
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(
             f"partition='coactivation' needs a tokenizer for the calibration text and none loads from "
@@ -373,11 +380,12 @@ def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, s
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
         _check_model_type(model.config, type(model).__name__)
-        causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(model.config)]
-        if not isinstance(model, causal_lm if isinstance(causal_lm, type) else tuple(causal_lm)):
+        heads = [base_head_class(head, type(model.config)) for head in HEADS]
+        if not isinstance(model, tuple(h for h in heads if h is not None)):
+            names = ", ".join(h.__name__ for h in heads if h is not None)
             raise ValueError(
-                f"Pass the causal LM ({getattr(causal_lm, '__name__', causal_lm)}), not {type(model).__name__}: "
-                "hf_moe returns a model with its LM head."
+                f"Pass the causal LM or a classifier of the family ({names}), not {type(model).__name__}: hf_moe "
+                "returns the same head over an MoE backbone."
             )
         if not inplace:
             model = copy.deepcopy(model)
@@ -432,10 +440,14 @@ def _license(model_or_path) -> str | None:
     """The `license:` of the base model's card front matter, when it is a local directory."""
     if isinstance(model_or_path, PreTrainedModel):
         model_or_path = model_or_path.config.name_or_path
-    card = os.path.join(os.fspath(model_or_path or ""), "README.md")
-    if not os.path.isfile(card):
+    directory = os.fspath(model_or_path or "")
+    if not os.path.isfile(os.path.join(directory, "README.md")):
         return None
-    match = re.search(r"^---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.S)
+    try:  # (through the guarded opener: a card linked out of the model directory is not read)
+        text = read_bytes(directory, "README.md", "the base model").decode("utf-8", errors="replace")
+    except (CheckpointError, OSError):
+        return None
+    match = re.search(r"^---\n(.*?)\n---", text, re.S)
     found = re.search(r"^license:\s*(\S+)", match.group(1), re.M) if match else None
     return found.group(1) if found else None
 

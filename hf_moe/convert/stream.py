@@ -33,18 +33,19 @@ from ..compat import convert_file_size_to_int
 from ..checkpoint import (
     SAFETENSORS_DTYPES,
     CheckpointError,
-    _finish,
-    _plan_shards,
-    _read_header,
-    checkpoint_file,
     checkpoint_state_dict,
     fused_key,
     read_index,
+    read_json,
     resolve_output_directory,
     same_directory,
     split_experts,
     staging_directory,
 )
+from ..checkpoint.guard import checkpoint_file, open_fd
+from ..checkpoint.headers import read_header
+from ..checkpoint.layout import plan_shards
+from ..checkpoint.save import finish
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
@@ -76,12 +77,14 @@ def convert_checkpoint(
     *,
     max_shard_size: int | str = "5GB",
     progress: bool = True,
+    extra=None,
     **options,
 ) -> MoEForCausalLM:
     """Convert the dense safetensors checkpoint in directory `src` into an MoE checkpoint in `out`, streaming.
 
     Takes the arguments and options of `convert_to_moe`, except `partition="coactivation"` (it runs the model
-    on calibration text) and `tokenizer`. Atomic like `save_pretrained`: `out` appears only when complete.
+    on calibration text) and `tokenizer`. Atomic like `save_pretrained`: `out` appears only when complete;
+    `extra(staging)`, if given, writes more files into it before that (`hf-moe convert` copies the tokenizer).
 
     Returns:
         The MoE model on the meta device (config, parameter counts; no weights), for reporting.
@@ -124,8 +127,8 @@ def convert_checkpoint(
     first_block = convert_block(method, first, config, opts, None, generator, materialize=False)
     with torch.device("meta"):  # from_dense converts in place: a second meta model, `dense` keeps its MLPs
         moe = MoEForCausalLM.from_dense(AutoModelForCausalLM.from_config(base_config, dtype=working_dtype), config, None)
-    if (src / "generation_config.json").is_file():
-        moe.generation_config = GenerationConfig.from_pretrained(src)
+    if os.path.lexists(src / "generation_config.json"):  # (read through the guarded opener: not a link out of src)
+        moe.generation_config = GenerationConfig.from_dict(read_json(src, "generation_config.json", "the source"))
 
     # The output layout: save_pretrained's files and keys; dtypes of the source (cast as asked) and of the block.
     block_prefix = {i: f"{layers_path}.{i}.{config.moe_block_path}." for i in moe_layers}
@@ -148,7 +151,7 @@ def convert_checkpoint(
         else:
             raise StreamingUnsupported(f"the model has a tensor {key!r} that the checkpoint does not hold.")
 
-    shards = _plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
+    shards = plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
                           convert_file_size_to_int(max_shard_size))
     target = resolve_output_directory(out, "Cannot write the MoE checkpoint to")
     if opts["verify"]:
@@ -184,7 +187,7 @@ def convert_checkpoint(
                 probe=f"per MoE layer: 16 random hidden states through the dense MLP and the MoE block, "
                 f"{str(working_dtype).removeprefix('torch.')}, eval mode",
             )
-        _finish(moe, staging, target, [writer.weight_map])
+        finish(moe, staging, target, [writer.weight_map], extra)
     return moe
 
 
@@ -260,22 +263,24 @@ class _SafetensorsSource:
     def __init__(self, directory: Path):
         if not directory.is_dir():
             raise FileNotFoundError(f"No model at {str(directory)!r}: the directory does not exist.")
-        if not (directory / "config.json").is_file():
+        if not os.path.lexists(directory / "config.json"):
             raise FileNotFoundError(f"{directory} has no config.json: it is not a saved Hugging Face model.")
-        checkpoint_file(directory, "config.json", "the source")  # a link out of the directory is refused
+        read_json(directory, "config.json", "the source")  # a link out, a FIFO, a bomb: refused before transformers
         index = directory / "model.safetensors.index.json"
-        if index.is_file():
+        if os.path.lexists(index):
             files = sorted(set(read_index(directory)[0].values()))
-        elif (directory / "model.safetensors").is_file():
+        elif os.path.lexists(directory / "model.safetensors"):
             files = ["model.safetensors"]
         else:
             raise StreamingUnsupported(f"{directory} holds no safetensors weights (model.safetensors or an index).")
+        self.directory = directory
         self.entries: dict[str, _Entry] = {}
         for name in files:
-            path = checkpoint_file(directory, name, str(index))
-            if not path.is_file():
+            if not os.path.exists(directory / name):
+                checkpoint_file(directory, name, str(index))  # (a link out is named as one, not as missing)
                 raise FileNotFoundError(f"{index} lists {name}, which is missing: re-download or re-save the model.")
-            header, raw = _read_header(path)
+            header, raw = read_header(directory, name, str(index))
+            path = directory / name
             for key, meta in header.items():
                 if key == "__metadata__":
                     continue
@@ -336,13 +341,16 @@ class _SafetensorsSource:
         e = self.entries[key]
         buffer = torch.empty(e.nbytes, dtype=torch.uint8)
         view = memoryview(buffer.numpy())
-        with open(e.path, "rb", buffering=0) as f:
+        fd = open_fd(self.directory, e.path.name, "the source")
+        try:
             done = 0
             while done < e.nbytes:
-                got = os.preadv(f.fileno(), [view[done:]], e.start + done)
+                got = os.preadv(fd, [view[done:]], e.start + done)
                 if got == 0:
                     raise OSError(f"{e.path.name} ended while reading {key}: the file is truncated.")
                 done += got
+        finally:
+            os.close(fd)
         return buffer.view(e.dtype).reshape(e.shape)
 
 
@@ -390,7 +398,7 @@ class _ShardWriter:
         for filename, tensors in self.shards.items():
             header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
             offsets, offset = {}, 0
-            for key in tensors:  # _plan_shards gives them in natural order
+            for key in tensors:  # plan_shards gives them in natural order
                 dtype, shape = self.layout[key]
                 nbytes = math.prod(shape) * dtype.itemsize
                 header[key] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
@@ -435,6 +443,19 @@ class _ShardWriter:
             done += os.pwrite(fd, data[done:], start + done)
         self._written(key, nbytes)
         return filename, start
+
+    def read(self, key: str) -> torch.Tensor:
+        """The tensor already written under `key`, read back from its file (a merge runs its gates on what it wrote)."""
+        if key in self.pending:
+            raise KeyError(f"{key} has not been written yet")
+        filename = self.file_of[key]
+        start, nbytes = self.offsets[filename][key]
+        dtype, shape = self.layout[key]
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        view, fd, done = memoryview(buffer.numpy()), self._fd(filename), 0
+        while done < nbytes:
+            done += os.preadv(fd, [view[done:]], start + done)
+        return buffer.view(dtype).reshape(shape)
 
     def write_many(self, tensors: dict[str, torch.Tensor]) -> None:
         """Write several tensors; those that are views of the same memory (the identical experts of an upcycled

@@ -39,20 +39,25 @@ class SparseMoeBlock(nn.Module):
     """Router + experts. `block(hidden_states)` has the shape of `mlp(hidden_states)`.
 
     Submodules are named as in transformers' MoE models: `gate` (the router, see `router.py`), `experts`, and
-    `shared_experts` when `num_shared_experts` > 0 (their output is added to the routed experts').
+    `shared_experts` when `num_shared_experts` > 0 (their output is added to the routed experts'), scaled by
+    sigmoid(`shared_expert_gate`(x)) when `config.shared_expert_gate` (Qwen2-MoE's gated shared expert).
     The router's decision is not returned (the block is a drop-in for an MLP): the block hands it to
     `router_recorder`, the model's `hf_moe.routing.RouterRecorder`, which keeps it while the model records (for
     the losses, the statistics and `output_router_logits`). A block outside a model has none and records nothing.
 
     Forward:
         hidden_states [..., H] -> [..., H]
+
+    `expert_range` (start, end) builds only experts [start, end) (see `Experts`).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.gate = build_router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, expert_range)
         self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
+        gated = self.shared_experts is not None and getattr(config, "shared_expert_gate", False)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None  # [1, H]
         self.bias = nn.Parameter(torch.zeros(config.hidden_size)) if config.moe_output_bias else None
         self.dropout = nn.Dropout(config.moe_output_dropout) if config.moe_output_dropout else None
         self.router_recorder = None  # set by the model that installs the block (a plain attribute, not a module)
@@ -68,7 +73,10 @@ class SparseMoeBlock(nn.Module):
         else:
             out = self.experts(flat, routing.dispatch_index(), routing.top_k_weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         if self.bias is not None:
             out = out + self.bias
         out = out.view(shape)

@@ -8,7 +8,6 @@ from transformers.activations import ACT2FN
 
 from ..compat import init
 from ..ops import experts_forward, reference
-from ..parallel import plan_under_construction
 
 
 class Experts(nn.Module):
@@ -23,17 +22,22 @@ class Experts(nn.Module):
 
     The attribute names (`has_gate`, `has_bias`, `is_transposed`, `act_fn`) match transformers' experts
     modules, so the same dispatch code (`hf_moe.ops.experts_forward`) runs on both.
+
+    Args:
+        expert_range: (start, end): hold only experts [start, end) of `num_experts` (the block of one process under
+            expert parallelism, built that way so the others are never allocated). `hf_moe.parallel` then makes
+            the module exchange tokens with the processes that hold the others (`ep_plan`).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, expert_range: tuple[int, int] | None = None):
         super().__init__()
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        start, end = expert_range if expert_range is not None else (0, e)
+        if not 0 <= start < end <= e:
+            raise ValueError(f"expert_range {expert_range} is not a non-empty range of the {e} experts.")
         self.num_experts = e
-        # Expert parallelism (hf_moe.parallel): this module then holds experts
-        # [expert_offset, expert_offset + num_local_experts) and `ep_plan` says where the others are.
-        plan = plan_under_construction()
-        start, end = plan.expert_range(e) if plan is not None else (0, e)
-        self.num_local_experts, self.expert_offset, self.ep_plan = end - start, start, plan
+        self.num_local_experts, self.expert_offset = end - start, start
+        self.ep_plan = None  # set by hf_moe.parallel when the experts are sharded over processes
         e = end - start  # the experts this module allocates
         self.hidden_dim = h
         self.intermediate_dim = i
@@ -67,10 +71,6 @@ class Experts(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.ep_plan is not None:
-            from ..parallel.dispatch import expert_parallel_forward
-
-            return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)
         return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
     def expert_choice(
@@ -84,11 +84,6 @@ class Experts(nn.Module):
         Returns:
             [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
         """
-        if self.ep_plan is not None:
-            raise NotImplementedError(
-                "Expert-choice routing is not supported with expert parallelism: each expert would need every "
-                "rank's tokens to pick from. Use a token-choice router, or train without expert parallelism."
-            )
         e, c = expert_index.shape
         x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)  # [E, C, H]
         w1 = self.gate_up_proj if self.has_gate else self.up_proj
@@ -107,7 +102,7 @@ class Experts(nn.Module):
     def extra_repr(self) -> str:
         kind = "glu" if self.has_gate else "mlp"
         local = ""
-        if self.ep_plan is not None:
+        if self.num_local_experts != self.num_experts:
             local = f", local experts {self.expert_offset}..{self.expert_offset + self.num_local_experts - 1}"
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "

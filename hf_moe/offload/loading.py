@@ -14,18 +14,10 @@ import os
 import torch
 
 from ..checkpoint import (
-    VERIFY_CHECKSUMS_BY_DEFAULT,
-    CheckpointError,
-    checkpoint_config,
-    checksum_problems,
-    local_expert_view,
-    read_index,
-    recover_interrupted_commit,
-    recorded_checksums,
-    validate_checkpoint,
+    checkpoint_config, local_expert_view, reading, recover_interrupted_commit, validate_checkpoint, validate_files,
 )
-from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from ..configuration import MoEConfig
+from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from ..routing import moe_blocks
 from .budget import expert_slots, format_size, parse_memory_size
 from .cache import ExpertCache
@@ -45,7 +37,9 @@ _CONFLICTS = {
 
 
 def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expert_parallel: bool = False, **kwargs):
-    """Load a saved MoE model with its experts offloaded. Takes `from_pretrained`'s arguments plus:
+    """Load a saved MoE model with its experts offloaded, as an instance of `model_class` (`MoEForCausalLM` or one
+    of its specialised classes; `model_class._specialised_for` picks the one of the checkpoint's base). Takes
+    `from_pretrained`'s arguments plus:
 
     Args:
         offload_experts: "disk" (CPU machines: experts read from their files when picked) or "cpu" (GPU machines:
@@ -55,6 +49,9 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
         offload_policy: the cache's eviction policy: "next_use" (default), "lfu", "lfu_decay" or "lru" (policy.py).
         offload_prefetch: fetch the next layer's predicted experts while a layer computes. Default: on for a GPU
             cache, off for a CPU cache (measured: see `ExpertCache`).
+        verify_checksums: as in `from_pretrained`: the non-expert files are hashed at load, and each expert tensor at
+            its first read (`DiskExperts`; "cpu" reads them all at load); a file changed in place after the load is
+            an error at its next read.
     Returns:
         The model, in eval mode; its cache is `hf_moe.offload.expert_cache(model)`.
     """
@@ -62,6 +59,7 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
     budget_arg = kwargs.pop("max_expert_memory", None)
     policy = kwargs.pop("offload_policy", DEFAULT_POLICY)
     prefetch = kwargs.pop("offload_prefetch", None)
+    verify_checksums = kwargs.pop("verify_checksums", None)
     if mode not in MODES:
         raise ValueError(
             f"offload_experts must be 'disk' (experts read from their files; CPU machines) or 'cpu' (experts in host "
@@ -96,52 +94,40 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
             f"offload_experts reads the per-expert files of a local directory, and {directory!r} is not one. "
             "Download the model first (`hf download REPO --local-dir DIR`)."
         )
-    if getattr(checkpoint_config(directory), QUANTIZATION_FIELD, None) is None:
-        validate_checkpoint(directory)
-    else:  # int8 experts (hf_moe.quantize): DiskExperts checks their headers below, transformers the rest
-        _verify_files(directory)
-    config = kwargs.pop("config", None)
-    if not isinstance(config, MoEConfig):
-        config = MoEConfig.from_pretrained(directory)
-    layout = ExpertLayout.from_config(config)
-    disk = DiskExperts(directory, layout)  # checks every expert tensor's header entry
-    # Fail on a bad budget before loading anything (the dtype is the checkpoint's unless `dtype` says otherwise).
-    dtype = kwargs.get("dtype")
-    check_dtype = dtype if isinstance(dtype, torch.dtype) else disk.dtype()
-    expert_slots(budget, layout.expert_bytes(check_dtype), layout.top_k, layout.num_layers * layout.num_experts)
+    with reading(directory):  # what is validated, opened and loaded is one checkpoint: a save into it waits
+        recover_interrupted_commit(directory)  # (before the config is read: a killed save may have hidden it)
+        saved = checkpoint_config(directory)
+        if getattr(saved, QUANTIZATION_FIELD, None) is None:
+            validate_checkpoint(directory)
+        else:  # int8 experts (hf_moe.quantize): DiskExperts checks their header entries below, transformers the rest
+            validate_files(directory)
+        config = kwargs.pop("config", None)
+        if not isinstance(config, MoEConfig):
+            config = saved
+        layout = ExpertLayout.from_config(config)
+        disk = DiskExperts(directory, layout, verify_checksums)  # opens every expert file; checks every header entry
+        # Fail on a bad budget before loading anything (the dtype is the checkpoint's unless `dtype` says otherwise).
+        dtype = kwargs.get("dtype")
+        check_dtype = dtype if isinstance(dtype, torch.dtype) else disk.dtype()
+        expert_slots(budget, layout.expert_bytes(check_dtype), layout.top_k, layout.num_layers * layout.num_experts)
 
-    if model_class.base_model_class is None:
-        from ..modeling import moe_model_class_for_config
+        model_class = model_class._specialised_for(directory, {"config": config})
+        with local_expert_view(directory, 0, 0, verify_checksums) as view:  # the non-expert files only, hashed
+            skeleton = _without_experts(model_class)
+            model = skeleton.from_pretrained(view, *model_args, config=config, _validated=True, **kwargs)
+        model.__class__ = model_class
+        model.config.name_or_path = path
+        blocks = moe_blocks(model)
+        first = blocks[0].gate.weight
+        # (the files stay open: a save that replaces the directory later does not change what the store reads)
+        store = disk if mode == "disk" else HostExperts(disk, first.dtype, pin=first.device.type == "cuda")
 
-        model_class = moe_model_class_for_config(config)
-    with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
-        model = _without_experts(model_class).from_pretrained(view, *model_args, config=config, _validated=True, **kwargs)
-    model.__class__ = model_class
-    model.config.name_or_path = path
-
-    blocks = moe_blocks(model)
-    first = blocks[0].gate.weight
-    store = disk if mode == "disk" else HostExperts(disk, first.dtype, pin=first.device.type == "cuda")
     cache = ExpertCache(
         store, layout, budget, [b.gate for b in blocks], first.device, first.dtype, policy=policy, prefetch=prefetch
     )
     for layer, block in enumerate(blocks):
         block.experts.attach(cache, layer)
     return model.eval()
-
-
-def _verify_files(directory: str) -> None:
-    """The checks of `validate_checkpoint` that do not build the model from the config (which, for int8 experts,
-    would expect floating-point ones): every file's size, header and (by default) data against its checksum."""
-    recover_interrupted_commit(directory)
-    _, metadata = read_index(directory)
-    checksums = recorded_checksums(metadata)
-    if checksums is None:
-        return
-    problems = checksum_problems(directory, checksums) if VERIFY_CHECKSUMS_BY_DEFAULT else []
-    if problems:
-        raise CheckpointError(f"{directory} is corrupt: {'; '.join(problems[:8])}. Restore the files from a good "
-                              "copy, or save the model again.")
 
 
 def expert_cache(model) -> ExpertCache:

@@ -7,10 +7,9 @@ thread (disk) or side stream (host -> GPU) as well as from the forward, so they 
 
 from __future__ import annotations
 
-import json
+import io
 import math
 import os
-import struct
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import INDEX_NAME, SAFETENSORS_DTYPES, CheckpointError, read_safetensors_header
+from ..checkpoint import (
+    CHECKSUM_ALGORITHMS, INDEX_NAME, SAFETENSORS_DTYPES, VERIFY_CHECKSUMS_BY_DEFAULT, CheckpointError, read_index,
+    recorded_checksums,
+)
+from ..checkpoint.guard import open_fd
+from ..checkpoint.headers import header_of
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 
 
@@ -97,20 +101,34 @@ class _Span:
 class DiskExperts:
     """Experts left in the checkpoint's per-expert safetensors files, read on demand with positioned reads.
 
-    Every expert tensor's header entry is checked when the store opens (known float dtype, the shape the config
-    implies, a byte range that matches it and lies inside the file), so a read never trusts the file further.
-    `pread` copies through the page cache into the destination: no mapping of the files stays resident in this
-    process (a mapping's touched pages would count in its RSS).
+    Every expert file is opened once, through the guarded opener, and kept open: a save that replaces the directory
+    meanwhile does not change what this store reads. Every expert tensor's header entry is checked when the store
+    opens (known float dtype, the shape the config implies, a byte range that matches it and lies inside the file),
+    so a read never trusts the file further. Each tensor is hashed at its first read and compared with the checksum
+    recorded at save time (`verify_checksums`, as in `validate_checkpoint`; one hash per tensor, of the bytes just
+    read: no extra I/O); every read checks that its file still has the size and modification time it had at load, so
+    a file overwritten in place is an error, never wrong logits. `pread` copies through the page cache into the
+    destination: no mapping of the files stays resident in this process (a mapping's touched pages would count in
+    its RSS).
     """
 
-    def __init__(self, directory: str | os.PathLike, layout: ExpertLayout):
+    def __init__(self, directory: str | os.PathLike, layout: ExpertLayout, verify_checksums: bool | None = None):
         directory = Path(directory)
         self.directory, self.layout = str(directory), layout
-        index = json.loads((directory / INDEX_NAME).read_text())
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{directory / INDEX_NAME} has no weight_map: save the model again.")
+        weight_map, metadata = read_index(directory)
+        checksums = recorded_checksums(metadata)
+        if verify_checksums is None:
+            verify_checksums = VERIFY_CHECKSUMS_BY_DEFAULT and checksums is not None
+        if verify_checksums and checksums is None:
+            raise CheckpointError(
+                f"{directory} records no checksums (saved by an older hf_moe, or by another tool), so its experts "
+                "cannot be verified. Load it with verify_checksums=False and save it again with this hf_moe."
+            )
+        self._hash = CHECKSUM_ALGORITHMS[checksums["algorithm"]] if verify_checksums else None
+        self._digests: dict[tuple[int, int, str], str] = {}
+        self._verified: set[tuple[int, int, str]] = set()
         self._fds: dict[str, int] = {}
+        self._stats: dict[str, tuple[int, int]] = {}  # filename -> (size, mtime_ns) when opened
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
         headers: dict[str, tuple[dict, int]] = {}
         self._spans: dict[tuple[int, int, str], _Span] = {}
@@ -119,21 +137,21 @@ class DiskExperts:
                 for name, shape in layout.shapes.items():
                     key = layout.key(layer, expert, name)
                     filename = weight_map.get(key)
-                    if not isinstance(filename, str) or os.path.basename(filename) != filename:
-                        raise CheckpointError(
-                            f"{directory / INDEX_NAME} does not list {key} in a file of the directory: save the model again."
-                        )
+                    if filename is None:
+                        raise CheckpointError(f"{directory / INDEX_NAME} does not list {key}: save the model again.")
                     if filename not in headers:
-                        path = directory / filename
-                        header = read_safetensors_header(path)  # checks the file holds every byte it declares
-                        with open(path, "rb") as f:
-                            data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-                        headers[filename] = (header, data_start)
-                        self._fds[filename] = os.open(path, os.O_RDONLY)
+                        fd = self._fds[filename] = open_fd(directory, filename, INDEX_NAME)
+                        with io.FileIO(fd, "rb", closefd=False) as f:
+                            header, raw = header_of(f, filename)  # checks the file holds every byte it declares
+                        info = os.fstat(fd)
+                        self._stats[filename] = (info.st_size, info.st_mtime_ns)
+                        headers[filename] = (header, len(raw))
                     header, data_start = headers[filename]
                     self._spans[layer, expert, name] = _check_entry(
                         filename, self._fds[filename], key, header.get(key), shape, data_start, layout.dtypes.get(name)
                     )
+                    if self._hash is not None:
+                        self._digests[layer, expert, name] = _recorded_digest(checksums, filename, key)
 
     def dtype(self) -> torch.dtype:
         """The floating dtype the experts are stored in (the first expert's; float32 when every tensor of an expert
@@ -148,11 +166,32 @@ class DiskExperts:
             span = self._spans[layer, expert, name]
             direct = out.dtype == span.dtype and out.device.type == "cpu" and out.is_contiguous()
             buffer = out if direct else torch.empty(out.shape, dtype=span.dtype)
-            self._pread(span, memoryview(buffer.view(-1).view(torch.uint8).numpy()), self.layout.key(layer, expert, name))
+            raw = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+            key = self.layout.key(layer, expert, name)
+            self._pread(span, raw, key)
+            self._check_unchanged(span.filename)
+            if self._hash is not None and (layer, expert, name) not in self._verified:
+                if self._hash(raw).hexdigest() != self._digests[layer, expert, name]:
+                    raise CheckpointError(
+                        f"{span.filename} is corrupt: the bytes of {key} differ from the checksum recorded when it "
+                        "was saved (found on its first read by the offloaded experts). Restore the file from a good "
+                        "copy, or save the model again; `hf-moe verify DIR` lists every damaged tensor."
+                    )
+                self._verified.add((layer, expert, name))
             if not direct:
                 out.copy_(buffer)
             total += span.nbytes
         return total
+
+    def _check_unchanged(self, filename: str) -> None:
+        info = os.fstat(self._fds[filename])
+        if (info.st_size, info.st_mtime_ns) != self._stats[filename]:
+            raise CheckpointError(
+                f"{filename} changed on disk after the model was loaded (its size or modification time differs): it "
+                "was overwritten in place while this model read experts from it, so they can no longer be trusted. "
+                "Reload the model once the file is complete. (save_pretrained never writes over a loaded "
+                "checkpoint's files: it replaces the directory, and loaded models keep reading the old files.)"
+            )
 
     def _pread(self, span: _Span, view: memoryview, key: str) -> None:
         done = 0
@@ -167,6 +206,16 @@ class DiskExperts:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _recorded_digest(checksums: dict, filename: str, key: str) -> str:
+    digest = checksums["files"].get(filename, {}).get("tensors", {}).get(key)
+    if digest is None:
+        raise CheckpointError(
+            f"{INDEX_NAME} records no checksum for {key} in {filename}: the file or the index was changed after the "
+            "save. Save the model again (or load with verify_checksums=False)."
+        )
+    return digest
 
 
 def _close_all(fds: dict[str, int]) -> None:
@@ -198,7 +247,7 @@ def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...],
         or not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize
     ):
         raise bad(f"has data_offsets {offsets}, which do not span {math.prod(shape)} {meta['dtype']} values")
-    # read_safetensors_header checked that the file holds every declared byte.
+    # header_of checked that the file holds every declared byte.
     return _Span(fd, filename, data_start + offsets[0], offsets[1] - offsets[0], dtype)
 
 

@@ -21,6 +21,9 @@ from typing import Callable
 import torch
 
 from . import infer
+from .reference import (
+    expert_act, expert_act_backward, grouped_mm, grouped_mm_weight_grad, permute, sort_by_expert, unpermute,
+)
 
 
 @dataclass(frozen=True)
@@ -73,58 +76,96 @@ def fused_backward_fake(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_ex
     )
 
 
+def composed_forward(ops: DispatchOps, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h=True):
+    """The forward of the module docstring from `ops`, with the fused op's outputs (see `fused_forward_fake`)."""
+    top_k = top_k_index.shape[-1]
+    sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, w1.shape[0])
+    row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
+    rows = ops.permute(x, sorted_slots, top_k)
+    h = ops.grouped_mm(rows, w1, tokens_per_expert, b1, None, True)
+    del rows
+    a = ops.expert_act(h, row_weight, activation, glu)
+    y = ops.grouped_mm(a, w2, tokens_per_expert, b2, row_weight if b2 is not None else None, True)
+    out = ops.unpermute(y, slot_to_row, None, top_k)
+    return out, h if save_h else h.new_empty(0, h.shape[1]), sorted_slots, slot_to_row, tokens_per_expert, row_weight
+
+
+def composed_backward(ops: DispatchOps, grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1,
+                      b1, w2, b2, activation, glu, need_x, need_weights, need_params):
+    """The backward from `ops`: (grad_x [N, H], grad_top_k_weights [N, k] in row_weight's dtype, grad_w1, grad_b1,
+    grad_w2, grad_b2), each None where not asked for. `need_params` is one flag, or (w1, b1, w2, b2) flags."""
+    need_w1, need_b1, need_w2, need_b2 = need_params if isinstance(need_params, tuple) else (need_params,) * 4
+    need_b1, need_b2 = need_b1 and b1 is not None, need_b2 and b2 is not None
+    top_k = sorted_slots.shape[0] // x.shape[0] if x.shape[0] else 1
+    grad_x = grad_weights = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+    g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y
+    grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
+    # The backward of the activation recomputes it, and hands back `a` (= act(h) * w) for grad_w2.
+    grad_h, grad_row_weight, a = ops.expert_act_backward(grad_a, h, row_weight, activation, glu, need_w2)
+    del grad_a
+    if need_w2:
+        grad_w2 = ops.grouped_mm_weight_grad(g, a, tokens_per_expert)
+    del a
+    if need_b2:
+        grad_b2 = ops.grouped_mm_weight_grad(g, row_weight.to(g.dtype).unsqueeze(1), tokens_per_expert)[..., 0]
+    if need_weights:
+        if b2 is not None:  # d/dw_r of w_r * b2[e] . g_r
+            bias_term = ops.grouped_mm(g, b2.unsqueeze(1), tokens_per_expert, None, None, True)[:, 0]
+            grad_row_weight = grad_row_weight + bias_term.to(grad_row_weight.dtype)
+        grad_weights = grad_row_weight.index_select(0, slot_to_row).view(-1, top_k)
+    del g
+    if need_w1:
+        rows = ops.permute(x, sorted_slots, top_k)
+        grad_w1 = ops.grouped_mm_weight_grad(grad_h, rows, tokens_per_expert)
+        del rows
+    if need_b1:
+        ones = grad_h.new_ones(grad_h.shape[0], 1)
+        grad_b1 = ops.grouped_mm_weight_grad(grad_h, ones, tokens_per_expert)[..., 0]
+    if need_x:
+        grad_rows = ops.grouped_mm(grad_h, w1, tokens_per_expert, None, None, False)  # [M, H]
+        grad_x = ops.unpermute(grad_rows, slot_to_row, None, top_k)
+    return grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2
+
+
+REFERENCE = DispatchOps(
+    "torch", sort_by_expert, permute, unpermute, grouped_mm, grouped_mm_weight_grad, expert_act, expert_act_backward,
+)
+
+
+def reference_forward(x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
+    """`hf_moe::moe_experts_forward` in pure torch (its default kernel, library.py)."""
+    return composed_forward(REFERENCE, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h)
+
+
+def reference_backward(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
+                       activation, glu, need_x, need_weights, need_params):
+    """`hf_moe::moe_experts_backward` in pure torch: [0] where a gradient is not asked for."""
+    grads = composed_backward(REFERENCE, grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1,
+                              b1, w2, b2, activation, glu, need_x, need_weights, need_params)
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
 class ExpertsFunction(torch.autograd.Function):
     """The expert computation composed from the ops of a `DispatchOps` without fused ops."""
 
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, ops: DispatchOps):
-        ctx.top_k, ctx.activation, ctx.glu, ctx.ops = top_k_index.shape[-1], activation, glu, ops
-        ctx.weights_dtype = top_k_weights.dtype
-        top_k = top_k_index.shape[-1]
-        sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, w1.shape[0])
-        row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
-        rows = ops.permute(x, sorted_slots, top_k)
-        h = ops.grouped_mm(rows, w1, tokens_per_expert, b1, None, True)
-        del rows
-        a = ops.expert_act(h, row_weight, activation, glu)
-        y = ops.grouped_mm(a, w2, tokens_per_expert, b2, row_weight if b2 is not None else None, True)
-        out = ops.unpermute(y, slot_to_row, None, top_k)
-        ctx.save_for_backward(x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2)
+        ctx.activation, ctx.glu, ctx.ops = activation, glu, ops
+        ctx.top_k, ctx.weights_dtype = top_k_index.shape[-1], top_k_weights.dtype
+        out, h, *plan = composed_forward(ops, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
+        ctx.save_for_backward(x, h, *plan, w1, b1, w2, b2)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, w2, b1, b2 = ctx.saved_tensors
-        ops, top_k = ctx.ops, ctx.top_k
-        need_x, _, need_weights, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
-        grad_x = grad_weights = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
-        g = ops.permute(grad_out.contiguous(), sorted_slots, top_k)  # [M, H]: grad of each row of y
-        grad_a = ops.grouped_mm(g, w2, tokens_per_expert, None, None, False)  # [M, I]
-        # The backward of the activation recomputes it, and hands back `a` (= act(h) * w) for grad_w2.
-        grad_h, grad_row_weight, a = ops.expert_act_backward(grad_a, h, row_weight, ctx.activation, ctx.glu, need_w2)
-        del grad_a
-        if need_w2:
-            grad_w2 = ops.grouped_mm_weight_grad(g, a, tokens_per_expert)
-        del a
-        if need_b2:
-            grad_b2 = ops.grouped_mm_weight_grad(g, row_weight.to(g.dtype).unsqueeze(1), tokens_per_expert)[..., 0]
-        if need_weights:
-            if b2 is not None:  # d/dw_r of w_r * b2[e] . g_r
-                bias_term = ops.grouped_mm(g, b2.unsqueeze(1), tokens_per_expert, None, None, True)[:, 0]
-                grad_row_weight = grad_row_weight + bias_term.to(grad_row_weight.dtype)
-            grad_weights = grad_row_weight.index_select(0, slot_to_row).view(-1, top_k).to(ctx.weights_dtype)
-        del g
-        if need_w1:
-            rows = ops.permute(x, sorted_slots, top_k)
-            grad_w1 = ops.grouped_mm_weight_grad(grad_h, rows, tokens_per_expert)
-            del rows
-        if need_b1:
-            ones = grad_h.new_ones(grad_h.shape[0], 1)
-            grad_b1 = ops.grouped_mm_weight_grad(grad_h, ones, tokens_per_expert)[..., 0]
-        if need_x:
-            grad_rows = ops.grouped_mm(grad_h, w1, tokens_per_expert, None, None, False)  # [M, H]
-            grad_x = ops.unpermute(grad_rows, slot_to_row, None, top_k)
-        return grad_x, None, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+        x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2 = ctx.saved_tensors
+        need_x, _, need_weights, *need_params = ctx.needs_input_grad[:7]
+        grads = composed_backward(ctx.ops, grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight,
+                                  w1, b1, w2, b2, ctx.activation, ctx.glu, need_x, need_weights, tuple(need_params))
+        grad_x, grad_weights, *grad_params = grads
+        if grad_weights is not None:
+            grad_weights = grad_weights.reshape(-1, ctx.top_k).to(ctx.weights_dtype)
+        return grad_x, None, grad_weights, *grad_params, None, None, None
 
 
 def run_experts(

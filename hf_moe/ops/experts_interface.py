@@ -28,7 +28,7 @@ from ..compat import (
     default_apply_gate,
     grouped_mm_experts_forward,
 )
-from . import experts_forward
+from .backend import experts_forward
 from .activations import activation_key
 
 NAME = "hf_moe"

@@ -8,7 +8,9 @@ Order of preference:
   3. nothing: the pure-torch ops run, after one warning that says why.
 
 `HF_MOE_BACKEND=torch` skips 1 and 2; `HF_MOE_BACKEND=compiled` makes a failure an error.
-The extension is C++ for CPU tensors only; CUDA tensors run the Triton kernels (hf_moe/ops/triton/).
+The extension holds C++ kernels for CPU tensors only (TORCH_LIBRARY_IMPL): the ops' schemas, shape functions and
+backward formulas are defined in Python when hf_moe is imported (library.py). CUDA tensors run the pure-torch ops
+by default (backend.py).
 """
 
 from __future__ import annotations
@@ -198,63 +200,4 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
                 stacklevel=3,
             )
             return None, ExtensionStatus(False, f"build failed: {reason}")
-    register_fake_kernels()
-    register_autograd_formulas()
     return module, ExtensionStatus(True, how)
-
-
-@functools.cache
-def register_autograd_formulas() -> None:
-    """Backward formulas of the compiled ops (autograd.py), so that each op is differentiable by itself: an
-    exported program runs them with gradients (torch.export records them, not the autograd.Function around them)."""
-    from .autograd import register_composable, register_experts
-
-    register_experts("hf_moe::moe_experts_forward", torch.ops.hf_moe.moe_experts_backward)
-    register_composable("hf_moe")
-
-
-@functools.cache
-def register_fake_kernels() -> None:
-    """Shape functions of the compiled ops, so `torch.compile` can trace through them."""
-    lib = "hf_moe::"
-
-    @torch.library.register_fake(lib + "sort_by_expert")
-    def _(top_k_index, num_experts):
-        m = top_k_index.numel()
-        new = top_k_index.new_empty
-        return new(m, dtype=torch.int64), new(m, dtype=torch.int64), new(num_experts, dtype=torch.int64)
-
-    @torch.library.register_fake(lib + "permute")
-    def _(hidden_states, sorted_slots, top_k):
-        return hidden_states.new_empty(sorted_slots.shape[0], hidden_states.shape[1])
-
-    @torch.library.register_fake(lib + "unpermute")
-    def _(rows, slot_to_row, top_k_weights, top_k):
-        return rows.new_empty(slot_to_row.shape[0] // top_k, rows.shape[1])
-
-    @torch.library.register_fake(lib + "grouped_mm")
-    def _(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight):
-        return x.new_empty(x.shape[0], weight.shape[1] if transpose_weight else weight.shape[2])
-
-    @torch.library.register_fake(lib + "grouped_mm_weight_grad")
-    def _(grad_out, x, tokens_per_expert):
-        return x.new_empty(tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1])
-
-    @torch.library.register_fake(lib + "expert_act")
-    def _(h, row_scale, activation, glu):
-        return h.new_empty(h.shape[0], h.shape[1] // 2 if glu else h.shape[1])
-
-    @torch.library.register_fake(lib + "expert_act_backward")
-    def _(grad, h, row_scale, activation, glu, return_output):
-        scale_dtype = (row_scale if row_scale is not None else h).dtype
-        scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
-        return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
-
-    from .experts import fused_backward_fake, fused_forward_fake  # here: setup.py loads this module standalone
-
-    torch.library.register_fake(lib + "moe_experts_forward")(fused_forward_fake)
-    torch.library.register_fake(lib + "moe_experts_backward")(fused_backward_fake)
-
-    from .infer import infer_fake  # the inference kernel (csrc/cpu/serve_cpu.cpp)
-
-    torch.library.register_fake(lib + "moe_experts_infer")(infer_fake)

@@ -17,9 +17,8 @@ Everything here traces (`torch.compile(fullgraph=True)`, `torch.export`): the on
 the data, over the experts' row groups, is the body of two torch.library ops, `hf_moe_torch::grouped_mm` and
 `hf_moe_torch::grouped_mm_weight_grad`, which a tracer records as one node each (with a shape function, and a
 backward formula for `grouped_mm`, see autograd.py). Loop-free formulations cost E times the FLOPs (every row
-through every expert) or an [M, K, out] gather of the weights; `torch.nn.functional.grouped_mm` is used where it
-traces, on CUDA in bf16 (on CPU, torch 2.13 traces it in bf16 only, and runs it eagerly in fp32/bf16 with 16-byte
-aligned strides, never in fp64).
+through every expert: dense.py, for ONNX) or an [M, K, out] gather of the weights. `torch.nn.functional.grouped_mm`
+runs instead where it is torch's fast path, bf16 on sm90 (`torch_grouped_mm_usable`; this is the default on CUDA).
 """
 
 from __future__ import annotations
@@ -73,13 +72,40 @@ def unpermute(
     return torch.bmm(top_k_weights.to(acc).unsqueeze(1), by_token.to(acc)).squeeze(1).to(rows.dtype)
 
 
-def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        hasattr(torch.nn.functional, "grouped_mm")
-        and x.is_cuda
-        and x.dtype == weight.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    )
+# Why torch's grouped GEMM runs only on sm90 (what `python -m hf_moe.env` prints).
+GROUPED_MM_WHY = (
+    "torch.nn.functional.grouped_mm is torch's fast path (CUTLASS) for bf16 on sm90; on sm100 and newer (B200, B300) "
+    "it gives experts without rows non-zero weight gradients (pytorch/pytorch#172439), and elsewhere it is a loop "
+    "that copies the group sizes to the host"
+)
+
+
+def torch_grouped_mm_usable(
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...],
+    dims: tuple[int, ...],
+    capability: tuple[int, int] | None = None,
+) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` is the one to run for these operands (see `GROUPED_MM_WHY`).
+
+    Only bf16 on sm90 (compute capability 9.x): there torch 2.13 runs it with CUTLASS. Not on sm100 and newer, where
+    it computes non-zero weight gradients for experts with no rows (pytorch/pytorch#172439), common with many
+    experts; not on older GPUs, where it falls back to a loop that copies the offsets to the host. Its operands need
+    16-byte aligned strides: every dimension in `dims` a multiple of 8 bf16 elements.
+
+    Args:
+        capability: the device's compute capability; None reads it (tests pass a fake one).
+    """
+    if not hasattr(torch.nn.functional, "grouped_mm") or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if any(dtype != torch.bfloat16 for dtype in dtypes) or any(d % 8 for d in dims):
+        return False
+    major, _ = capability if capability is not None else torch.cuda.get_device_capability(device)
+    return major == 9
+
+
+def _use_grouped_mm(x: torch.Tensor, weight: torch.Tensor, out_dim: int) -> bool:
+    return torch_grouped_mm_usable(x.device, (x.dtype, weight.dtype), (x.shape[1], out_dim))
 
 
 def _offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -104,10 +130,12 @@ def grouped_mm(
         [M, out]; rows past the last group (dropped pairs) are zero.
     """
     w = weight.transpose(-2, -1) if transpose_weight else weight  # [E, K, out]
-    if _use_grouped_mm(x, weight):
+    if _use_grouped_mm(x, weight, w.shape[-1]):
         out = torch.nn.functional.grouped_mm(x, w, offs=_offsets(tokens_per_expert))
         covered = torch.arange(x.shape[0], device=x.device) < tokens_per_expert.sum()
-        out = out * covered.unsqueeze(1).to(out.dtype)  # grouped_mm leaves rows past the groups undefined
+        # grouped_mm leaves the rows past the groups unwritten (whatever the allocator held, NaN included): select
+        # zeros there (a 0/1 mask would keep NaN, NaN * 0 = NaN).
+        out = torch.where(covered.unsqueeze(1), out, out.new_zeros(()))
         if bias is not None:
             rows = torch.arange(x.shape[0], device=x.device)
             expert_of_row = torch.searchsorted(torch.cumsum(tokens_per_expert, 0), rows, right=True)
@@ -124,7 +152,7 @@ def grouped_mm_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, tokens_per_e
     Args:
         grad_out: [M, A]; x: [M, B].
     """
-    if _use_grouped_mm(x, grad_out):
+    if _use_grouped_mm(x, grad_out, grad_out.shape[1]):
         return torch.nn.functional.grouped_mm(grad_out.t(), x, offs=_offsets(tokens_per_expert))
     return torch.ops.hf_moe_torch.grouped_mm_weight_grad(grad_out, x, tokens_per_expert)
 

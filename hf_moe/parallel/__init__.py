@@ -19,38 +19,23 @@ on one mesh) or Accelerate's FSDP2 plugin. DDP cannot wrap DTensor parameters (A
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..compat import declare_sharded_at_load
+from ..layers import Experts
+from ..layers.router import ExpertChoiceRouter
 from .mesh import ExpertParallelPlan, build_mesh, build_plan
+from .shard import shard_experts
 from .training_state import load_training_state, save_training_state
 
 __all__ = [
     "ExpertParallelPlan", "build_mesh", "build_plan", "device_mesh", "expert_parallel", "load_training_state",
-    "local_experts", "parallelize", "save_training_state",
+    "parallelize", "save_training_state",
 ]
-
-_constructing: list[ExpertParallelPlan] = []
-
-
-@contextlib.contextmanager
-def local_experts(plan: ExpertParallelPlan):
-    """Experts modules built inside the block allocate only this rank's experts (used while loading)."""
-    _constructing.append(plan)
-    try:
-        yield
-    finally:
-        _constructing.pop()
-
-
-def plan_under_construction() -> ExpertParallelPlan | None:
-    return _constructing[-1] if _constructing else None
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
-    from ..layers import Experts
-
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
@@ -76,8 +61,6 @@ def expert_parallel(
         raise ValueError("This model is already expert-parallel.")
     _refuse_expert_choice(model)
     plan = build_plan(process_group, expert_parallel_size, mesh)
-    from .shard import shard_experts
-
     for experts in _experts_modules(model):
         shard_experts(experts, plan, holds_block=False)
     model.expert_parallel_plan = plan
@@ -86,8 +69,6 @@ def expert_parallel(
 
 def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
     """Shard a model whose experts were built holding only this process's block (`from_pretrained`)."""
-    from .shard import shard_experts
-
     _refuse_expert_choice(model)
     for experts in _experts_modules(model):
         shard_experts(experts, plan, holds_block=True)
@@ -96,8 +77,6 @@ def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
 
 
 def _refuse_expert_choice(model: nn.Module) -> None:
-    from ..layers.router import ExpertChoiceRouter
-
     if any(isinstance(m, ExpertChoiceRouter) for m in model.modules()):
         raise NotImplementedError(
             "Expert-choice routing is not supported with expert parallelism: each expert would need every rank's "
@@ -118,10 +97,6 @@ def parallelize(model: nn.Module, mesh=None, expert_parallel_size: int | None = 
     Every process must hold the same weights before the call (load them, or seed identically), as for FSDP2.
     A model loaded with `from_pretrained(expert_parallel=True)` keeps its experts and mesh.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from ..compat import declare_sharded_at_load
-
     plan = getattr(model, "expert_parallel_plan", None)
     if plan is None:
         expert_parallel(model, expert_parallel_size=expert_parallel_size, mesh=mesh)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from ..layers import Experts
 from ..ops import dispatch_ops, kernel_activation, reference, run_experts
 from .mesh import ExpertParallelPlan
 
@@ -88,3 +89,23 @@ def expert_parallel_forward(
     weights = top_k_weights.to(torch.float32).unsqueeze(1)  # [N, 1, k]
     out = torch.bmm(weights, rows_by_slot.view(n, k, -1).to(torch.float32)).squeeze(1)
     return out.to(hidden_states.dtype)
+
+
+class ExpertParallelExperts(Experts):
+    """`Experts` holding one process's block of experts, whose forward sends each (token, slot) pair to the process
+    that holds its expert (`expert_parallel_forward`).
+
+    `shard.shard_experts` gives an `Experts` module this class, from outside, as `fully_shard` gives it its FSDP
+    class: the model's own code never asks how it is sharded.
+    """
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def expert_choice(self, hidden_states, expert_index, expert_weights) -> torch.Tensor:
+        raise NotImplementedError(
+            "Expert-choice routing is not supported with expert parallelism: each expert would need every rank's "
+            "tokens to pick from. Use a token-choice router, or train without expert parallelism."
+        )

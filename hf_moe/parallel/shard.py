@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..layers import Experts
+from .dispatch import ExpertParallelExperts
 from .mesh import ExpertParallelPlan
 
 
@@ -43,6 +45,8 @@ def shard_experts(experts: nn.Module, plan: ExpertParallelPlan, *, holds_block: 
             f"{type(experts).__name__} already has FSDP applied: call hf_moe.expert_parallel / hf_moe.parallelize "
             "before fully_shard, so the experts are sharded over the expert-parallel mesh first."
         )
+    if type(experts) is not Experts:
+        raise TypeError(f"hf_moe shards hf_moe's own Experts modules, not {type(experts).__name__}.")
     start, end = plan.expert_range(experts.num_experts)
     device = _device(plan)
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -56,6 +60,7 @@ def shard_experts(experts: nn.Module, plan: ExpertParallelPlan, *, holds_block: 
         local = DTensor.from_local(block.to(device), plan.mesh, (Replicate(), Shard(0)), run_check=False)
         setattr(experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
     experts.num_local_experts, experts.expert_offset, experts.ep_plan = end - start, start, plan
+    experts.__class__ = ExpertParallelExperts  # its forward exchanges tokens over "ep" (dispatch.py)
     fully_shard(
         experts, mesh=plan.mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
         shard_placement_fn=lambda param: Shard(expert_shard_dim(end - start, plan.dp_size, param.shape)),
@@ -73,26 +78,3 @@ def expert_shard_dim(block: int, dp: int, shape) -> int:
     if block % dp == 0 or len(shape) < 2 or shape[1] % dp:
         return 0
     return 1
-
-
-def whole_local_experts(experts: nn.Module, param: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """(tensor [n, ...], the global ids of its n experts): whole experts of `param` (a parameter of `experts`, or
-    its state-dict entry) for this process to write, each expert of the model returned by exactly one process.
-
-    Plain parameters: all of them (or the expert-parallel block, before sharding). Sharded on dim 0: this process's
-    chunk of its block, no communication. Sharded on dim 1: the block is gathered over "dp" (a collective: every
-    process must call this for the same parameters in the same order) and process d of "dp" takes experts d, d + dp,
-    ... of it.
-    """
-    if not isinstance(param, DTensor):
-        first = experts.expert_offset if param.shape[0] == experts.num_local_experts else 0
-        return param.detach(), list(range(first, first + param.shape[0]))
-    plan = experts.ep_plan
-    if getattr(param.placements[0], "dim", 0) == 0:
-        local = param.to_local().detach()
-        per_rank = -(-experts.num_local_experts // plan.dp_size)  # FSDP2 chunks dim 0 as torch.chunk does
-        first = experts.expert_offset + plan.dp_rank * per_rank
-        return local, list(range(first, first + local.shape[0]))
-    block = param.redistribute(plan.mesh, (Replicate(), Shard(0))).to_local().detach()
-    mine = list(range(plan.dp_rank, block.shape[0], plan.dp_size))
-    return block[mine], [experts.expert_offset + j for j in mine]

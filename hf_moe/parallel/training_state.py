@@ -13,22 +13,28 @@ Layout of `directory`:
 
 On load, DCP gives every process the slices its current placement needs (DTensor shards under FSDP2 and expert
 parallelism, full tensors on a single process), so a run saved on 4 processes resumes on 2 or on 1 with the same
-weights and optimizer state, bit for bit. The save is atomic: it is written beside `directory` and moved into
-place only when every process has written its part.
+weights and optimizer state, bit for bit. The save is atomic, with the commit of every hf_moe checkpoint
+(`hf_moe.checkpoint.commit`): it is written into a locked staging directory beside `directory` and swapped into
+place in one step only when every process has written its part; what a killed save leaves is removed by the next
+save, and a state hidden by a kill between the two renames of the fallback commit is put back by the next load.
+`training_state.json` and `scheduler.pt` are read through the guarded opener (`hf_moe.checkpoint.guard`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ..checkpoint import CheckpointError, read_json, reading, recover_interrupted_commit, resolve_output_directory
+from ..checkpoint.commit import commit, discard, new_staging
+from ..checkpoint.guard import check_regular, read_bytes
 
 FORMAT = 1
 STATE_FILE = "training_state.json"
@@ -90,12 +96,10 @@ def save_training_state(
 
     position = _check_position(dict(data_position or {}), "data_position")
     rank, world = _rank_world()
-    target = Path(directory).absolute()
+    target = resolve_output_directory(directory, "Cannot save the training state to")
     staging = None
     if rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.parent / f".{target.name}.hf_moe-tmp-{uuid.uuid4().hex[:8]}"
-        staging.mkdir()
+        staging = new_staging(target)  # (locked; removes what killed saves into `target` left)
     staging = Path(_broadcast(str(staging)))
     error = None
     try:
@@ -129,10 +133,10 @@ def save_training_state(
         try:
             if any(failed):
                 raise RuntimeError(f"saving the training state failed on rank(s) {[r for r, f in enumerate(failed) if f]}")
-            _commit(staging, target)
+            commit(staging, target, carry=False)  # (nothing of an older state is kept)
             status = "ok"
         except BaseException as err:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard(staging)
             status = f"{type(err).__name__}: {err}"
             error = error or err
     status = _broadcast(status)
@@ -140,16 +144,6 @@ def save_training_state(
         raise error
     if status != "ok":
         raise RuntimeError(f"Saving the training state to {target} failed on rank 0: {status}")
-
-
-def _commit(staging: Path, target: Path) -> None:
-    if target.exists():
-        backup = target.parent / f".{target.name}.hf_moe-old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, backup)
-        os.rename(staging, target)
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.rename(staging, target)
 
 
 def _check_position(position, where: str) -> dict[str, int]:
@@ -170,16 +164,18 @@ def _last_line(err: BaseException) -> str:
 def read_training_state_meta(directory: str | os.PathLike) -> dict:
     """The validated `training_state.json` of `directory` (raises TrainingStateError naming what is wrong)."""
     directory = Path(directory)
+    recover_interrupted_commit(directory)
     path = directory / STATE_FILE
-    if not path.is_file() or not (directory / DCP_DIR / ".metadata").is_file():
+    if not os.path.lexists(path) or not os.path.lexists(directory / DCP_DIR / ".metadata"):
         raise TrainingStateError(
             f"{directory} is not a training state saved by hf_moe.parallel.save_training_state (it needs {STATE_FILE} "
             f"and {DCP_DIR}/.metadata). Point to the directory the save wrote, e.g. checkpoint-N/training_state."
         )
     try:
-        meta = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TrainingStateError(f"{path} is corrupt ({err}); save the training state again.") from None
+        check_regular(directory / DCP_DIR, ".metadata", "the training state")  # (DCP reads it: a file, inside)
+        meta = read_json(directory, STATE_FILE, "the training state")
+    except CheckpointError as err:
+        raise TrainingStateError(f"{err} Save the training state again.") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise TrainingStateError(
             f"{path} has format {meta.get('format') if isinstance(meta, dict) else meta!r}; this hf_moe reads format "
@@ -210,11 +206,16 @@ def load_training_state(
     Every process must call it. A process that the saving run did not have (resuming on more processes) keeps its
     RNG, with a warning.
     """
+    directory = Path(directory)
+    with reading(directory):  # (a save into it meanwhile waits for the load)
+        return _load_training_state(directory, model, optimizer, scheduler)
+
+
+def _load_training_state(directory: Path, model, optimizer, scheduler) -> dict[str, int]:
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    directory = Path(directory)
     meta = read_training_state_meta(directory)
     rank, world = _rank_world()
     reader = FileSystemReader(directory / DCP_DIR)
@@ -252,9 +253,13 @@ def load_training_state(
         torch.cuda.set_rng_state(rng["cuda"])
     if scheduler is not None:
         path = directory / SCHEDULER_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise TrainingStateError(f"{directory} has no {SCHEDULER_FILE}: it was saved without a scheduler.")
-        scheduler_state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            data = read_bytes(directory, SCHEDULER_FILE, "the training state")
+            scheduler_state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except CheckpointError as err:
+            raise TrainingStateError(str(err)) from None
         if not isinstance(scheduler_state, dict):
             raise TrainingStateError(f"{path} is not a scheduler state_dict (got {type(scheduler_state).__name__}).")
         scheduler.load_state_dict(scheduler_state)

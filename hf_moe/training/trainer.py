@@ -20,6 +20,7 @@ import os
 import torch.distributed as dist
 from transformers import Trainer
 
+from ..checkpoint import recover_interrupted_commit
 from ..compat import TRANSFORMERS_VERSION, trainer_supports_sharded_models
 from ..parallel.training_state import (
     TrainingStateError,
@@ -117,6 +118,7 @@ class MoETrainer(Trainer):
         if checkpoint is None or self.is_deepspeed_enabled:
             return None
         path = os.path.join(checkpoint, TRAINING_STATE_DIR)
+        recover_interrupted_commit(path)  # (a state a killed save left hidden is put back)
         return path if os.path.isdir(path) else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

@@ -154,7 +154,7 @@ def expert_layout(model) -> None:
     """EP 2 x "dp" 2, 8 experts: process (d, p) stores experts 4p + 2d, 4p + 2d + 1, whole; the rest is HSDP."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from hf_moe.parallel.shard import whole_local_experts
+    from hf_moe.checkpoint.layout import whole_local_experts
 
     sharded = hf_moe.parallelize(copy.deepcopy(model), expert_parallel_size=2)
     plan = sharded.expert_parallel_plan

@@ -1,15 +1,19 @@
-"""Triton kernels of the dispatch ops: the default on CUDA, and executed on CPU by Triton's interpreter in the tests.
+"""Triton kernels of the dispatch ops: opt-in on CUDA (HF_MOE_BACKEND=triton), executed on CPU by Triton's
+interpreter in the tests.
 
     routing.py       sort_by_expert: per-expert counts and the stable permutation, on the device (3 kernels)
     permute.py       permute (gather into expert order) and unpermute (weighted combine)
     activation.py    expert_act and its backward, with the routing weight folded in
     grouped_gemm.py  grouped GEMM forward / dX and dW over contiguous row groups, with the permute fused in;
                      torch's grouped_mm where it is the fast path
+    configs.py       the GEMMs' autotune configs per dtype, fitted to the device's shared memory
     ops.py           the `torch.ops.hf_moe_triton.*` custom ops, their fake kernels, and the fused expert computation
+                     (defined without importing triton; a kernel that fails to compile falls back to torch)
     runtime.py       where the kernels can run, the launch counts, dtype-dependent constants
-    aot.py           compiles every kernel for sm90 without a GPU (PTX and cubin), for the tests and the notes
+    aot.py           compiles every kernel for sm90 without a GPU (PTX and cubin) and reads its registers, stack
+                     (spills) and shared memory, for the tests and the notes
 
-Importing this package does not import triton; `status` and `dispatch_ops` do.
+Importing this package, or ops.py, does not import triton; `status` and running an op do.
 """
 
 from __future__ import annotations
@@ -61,11 +65,11 @@ def status(device_type: str) -> tuple[bool, str]:
 def dispatch_ops(activation: str) -> DispatchOps:
     """The Triton implementation of every op, and the fused expert computation, for a kernel activation name
     (others run their activation in torch)."""
-    from . import ops
+    from .ops import ACTIVATIONS, fused_experts
 
-    fused = ops.fused_experts(activation)
+    fused = fused_experts(activation)
     t = torch.ops.hf_moe_triton
-    name = "triton" if activation in ops.ACTIVATIONS else "triton, activation in torch"
+    name = "triton" if activation in ACTIVATIONS else "triton, activation in torch"
     return DispatchOps(
         name, t.sort_by_expert, t.permute, t.unpermute, t.grouped_mm, t.grouped_mm_weight_grad, fused.expert_act,
         fused.expert_act_backward, t.moe_experts_forward, t.moe_experts_backward,

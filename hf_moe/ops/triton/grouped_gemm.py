@@ -13,83 +13,49 @@ No host sync: the group sizes stay on the device. The forward grid is sized for 
 group from the counts with a cumsum over E + 1 lanes (< 1 µs) and exits when past the last tile. The weight
 gradient's grid is (tiles of [P, Q], E); each program loops over its expert's rows.
 
-Where torch's own grouped GEMM is the fast path (`torch_grouped_mm_usable`: bf16, sm90/sm100, 16-byte aligned
-strides), the ops call it (through `reference.grouped_mm`) instead of these kernels.
+Where torch's own grouped GEMM is the fast path (`reference.torch_grouped_mm_usable`: bf16 on sm90 with 16-byte
+aligned strides), the ops call it (through `reference.grouped_mm`) unless `torch_gemm=False` asks for these kernels.
 
-Autotune configs for sm90 (H100: 132 SMs, 228 KB shared memory per SM, wgmma on warpgroups of 4 warps):
-  * 128 x 256 x 64, 8 warps, 3 stages: 128 x 256 fp32 accumulator = 128 registers per thread over 2 warpgroups;
-    (128 + 256) x 64 x 2 B = 48 KB per stage, 144 KB for 3: the highest FLOPs per byte loaded, for large groups
-    (Mixtral-like: ~4,000 rows per expert, N = 28,672 or 4,096).
-  * 128 x 128 x 64, 8 warps, 4 stages: 32 KB per stage, 128 KB; twice the tiles for the same work, which keeps
-    132 SMs busy when N / 256 x tiles would leave a partial last wave.
-  * 64 x 128 x 64, 4 warps, 4 stages: one warpgroup, for short groups (Qwen3-30B-A3B-like: E 128, k 8, ~1,000
-    rows per expert, N = 1,536 or 2,048), where a 128-row tile would be mostly padding at the group edges.
-  * 64 x 64 x 128, 4 warps, 3 stages: small N (the [M, 1] bias products) and decode-sized groups.
-GROUP_M = 8 orders the tiles so 8 row tiles sweep a weight column block while it is in L2. The autotune key is
-(N, K, rows per expert rounded to a power of 2, dtypes), so a new batch size does not re-tune.
-The weight gradient's configs are the same tile shapes over (P, Q) with the group's rows as the reduction.
-None of this is measured: the figures are owed until a GPU runs `benchmarks/moe_layer.py --device cuda`.
+Autotuning (configs.py: tile shapes per dtype, fitted to the device's shared memory) happens on the first launch of
+each key: (N, K, rows per expert rounded to a power of 2, strides, dot precision, dtypes), so a new batch size does
+not re-tune. It times every config, which must not happen inside a CUDA-graph capture (and is better done before
+the first training step): `hf_moe.ops.warmup(model, tokens=...)` runs the layers once to tune them. A launch during
+capture whose key was never tuned runs the first config untuned, after one warning.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import reference
+from ..reference import grouped_mm as torch_grouped_mm
+from ..reference import grouped_mm_weight_grad as torch_grouped_mm_weight_grad
+from ..reference import torch_grouped_mm_usable
+from .configs import (
+    EVERY, TENSOR_CORE, TENSOR_CORE_WEIGHT_GRAD, aligned_strides, configs_for, device_shared_memory, pruner,
+)
 from .permute import permute
 from .runtime import (
     INTERPRETING, accumulator, cast, check_device, dot_precision, launch, next_power_of_2, upcast_dot,
 )
 
 
-def _config(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m), num_warps=warps,
-                         num_stages=stages)
-
-
-SM90_CONFIGS = [
-    _config(128, 256, 64, 8, 3),
-    _config(128, 128, 64, 8, 4),
-    _config(64, 128, 64, 4, 4),
-    _config(64, 64, 128, 4, 3),
-]
-SM90_WEIGHT_GRAD_CONFIGS = [
-    triton.Config(dict(BLOCK_P=128, BLOCK_Q=256, BLOCK_K=64), num_warps=8, num_stages=3),
-    triton.Config(dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_K=64), num_warps=8, num_stages=4),
-    triton.Config(dict(BLOCK_P=64, BLOCK_Q=128, BLOCK_K=64), num_warps=4, num_stages=4),
-    triton.Config(dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_K=128), num_warps=4, num_stages=3),
-]
+SM90_CONFIGS = TENSOR_CORE  # the bf16 configs (kept under their old names)
+SM90_WEIGHT_GRAD_CONFIGS = TENSOR_CORE_WEIGHT_GRAD
 # Under the interpreter: tiles small enough that the tests' small shapes span several tiles, groups and K steps,
 # and large enough to keep the programs few (each costs the interpreter milliseconds, whatever its size).
 INTERPRETER_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 INTERPRETER_WEIGHT_GRAD_CONFIG = dict(BLOCK_P=32, BLOCK_Q=32, BLOCK_K=32)
-
-
-def torch_grouped_mm_usable(
-    device: torch.device,
-    dtypes: tuple[torch.dtype, ...],
-    dims: tuple[int, ...],
-    capability: tuple[int, int] | None = None,
-) -> bool:
-    """Whether `torch.nn.functional.grouped_mm` is the fast path for these operands.
-
-    torch 2.13 runs it with CUTLASS for bf16 on sm90 and sm100 (compute capability major 9 or 10); elsewhere it
-    falls back to a loop that copies the offsets to the host (a sync), so the Triton kernels run instead. Its
-    operands need 16-byte aligned strides: every dimension in `dims` a multiple of 8 bf16 elements.
-
-    Args:
-        capability: the device's compute capability; None reads it (tests pass a fake one).
-    """
-    if not hasattr(torch.nn.functional, "grouped_mm") or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    if any(dtype != torch.bfloat16 for dtype in dtypes) or any(d % 8 for d in dims):
-        return False
-    major, _ = capability if capability is not None else torch.cuda.get_device_capability(device)
-    return major in (9, 10)
+# Whether a launch without an explicit config autotunes (on a GPU) or runs the interpreter's config (tests set it
+# to exercise the autotuned path under the interpreter).
+USE_AUTOTUNER = not INTERPRETING
+# Whether the ops hand their GEMMs to torch's grouped_mm where it is the fast path (bf16 on sm90). gpu_check turns it
+# off to run these kernels there too.
+TORCH_GEMM = True
 
 
 @triton.jit
@@ -218,31 +184,75 @@ def _rows_hint(m: int, num_experts: int) -> int:
     return min(max(next_power_of_2(m // max(num_experts, 1)), 16), 8192)
 
 
+_KERNELS = {"grouped_mm": _grouped_mm_kernel, "weight_grad": _grouped_mm_weight_grad_kernel}
+_KEYS = {  # besides these, triton's autotuner keys on the dtypes of the tensor arguments
+    "grouped_mm": ["N", "K", "rows_hint", "stride_am", "stride_bk", "stride_bn", "PRECISION"],
+    "weight_grad": ["P", "Q", "rows_hint", "stride_am", "stride_bm", "PRECISION"],
+}
 _TUNED: dict[str, object] = {}
+tuned_keys: set[tuple] = set()  # (kernel, our key) of every autotuned launch in this process: the tuner has timed it
+bench_calls: list[str] = []  # under the interpreter, the kernel of each config timed (tests count them)
+_warned_capture: set[str] = set()
 
 
 def tuned(kernel_name: str):
     """The autotuned launcher of "grouped_mm" or "weight_grad". On a GPU triton times each config; under the
     interpreter (tests) each config runs once, timed on the host: the choice means nothing, the path runs."""
     if kernel_name not in _TUNED:
-        _TUNED[kernel_name] = _autotune(kernel_name, _host_bench if INTERPRETING else None)
+        do_bench = _HostBench(kernel_name) if INTERPRETING else None  # None: triton's own timing
+        even_k = _KERNELS[kernel_name]
+        if kernel_name == "grouped_mm":
+            even_k = triton.heuristics(dict(EVEN_K=lambda args: args["K"] % args["BLOCK_K"] == 0))(even_k)
+        _TUNED[kernel_name] = triton.autotune(EVERY[kernel_name], key=_KEYS[kernel_name], do_bench=do_bench,
+                                              prune_configs_by=dict(early_config_prune=pruner(kernel_name)))(
+            even_k)
     return _TUNED[kernel_name]
 
 
-def _host_bench(fn, quantiles=None, **_):
-    start = time.perf_counter()
-    fn()
-    ms = (time.perf_counter() - start) * 1e3
-    return [ms] * len(quantiles) if quantiles else ms
+class _HostBench:
+    """Under the interpreter: run the config once, timed on the host."""
+
+    def __init__(self, kernel_name: str):
+        self.kernel_name = kernel_name
+
+    def __call__(self, fn, quantiles=None, **_):
+        bench_calls.append(self.kernel_name)
+        start = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - start) * 1e3
+        return [ms] * len(quantiles) if quantiles else ms
 
 
-def _autotune(kernel_name: str, do_bench):
-    if kernel_name == "grouped_mm":
-        even_k = triton.heuristics(dict(EVEN_K=lambda args: args["K"] % args["BLOCK_K"] == 0))(_grouped_mm_kernel)
-        return triton.autotune(SM90_CONFIGS, key=["N", "K", "rows_hint"], do_bench=do_bench)(even_k)
-    return triton.autotune(SM90_WEIGHT_GRAD_CONFIGS, key=["P", "Q", "rows_hint"], do_bench=do_bench)(
-        _grouped_mm_weight_grad_kernel
-    )
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_autotuned(name: str, grid, device: torch.device, args: tuple, flags: dict, key: tuple,
+                      strides: dict) -> None:
+    """Launch the autotuned kernel; during a CUDA-graph capture, a key never tuned runs the first config untuned.
+    `strides`: the operands' row strides by argument name (configs.ROW_STRIDES)."""
+    if (name, key) in tuned_keys or not _capturing(device):
+        launch(tuned(name), grid, device, *args, **flags)
+        tuned_keys.add((name, key))
+        return
+    x = args[0]
+    config = configs_for(name, x.dtype, flags["PRECISION"], device_shared_memory(device),
+                         aligned_strides(name, strides))[0]
+    if name not in _warned_capture:
+        _warned_capture.add(name)
+        warnings.warn(
+            f"hf_moe: the Triton {name} GEMM met a new shape during CUDA-graph capture, where autotuning cannot run; "
+            f"running {config} untuned. Call hf_moe.ops.warmup(model, tokens=...) before capturing.",
+            RuntimeWarning, stacklevel=4,
+        )
+    meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    if name == "grouped_mm":
+        meta["EVEN_K"] = args[9] % meta["BLOCK_K"] == 0  # K
+    launch(_KERNELS[name], grid(meta), device, *args, **flags, **meta)
+
+
+def _key(*values) -> tuple:
+    return tuple(str(v) if isinstance(v, torch.dtype) else v for v in values)
 
 
 def _grid(m: int, n: int, num_experts: int, block_m: int, block_n: int) -> tuple[int]:
@@ -268,6 +278,7 @@ def grouped_mm(
     gather_index: torch.Tensor | None = None,
     top_k: int = 1,
     config: dict | None = None,
+    torch_gemm: bool | None = None,
 ) -> torch.Tensor:
     """`reference.grouped_mm`, optionally reading its rows through `gather_index`.
 
@@ -279,6 +290,8 @@ def grouped_mm(
         bias: [E, out], added to each row of expert e, times `bias_scale` [M] when given.
         config: the kernel's meta-parameters (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M and optionally num_warps,
             num_stages), or "autotune"; None: the autotuner on a GPU, `INTERPRETER_CONFIG` under the interpreter.
+        torch_gemm: run torch's grouped_mm (True) or this kernel (False); None: torch's where it is the fast path
+            (and `TORCH_GEMM`).
     Returns:
         [M, out]; rows past the last group are zero.
     """
@@ -289,9 +302,11 @@ def grouped_mm(
     if x.shape[1] != k or x.dtype != weight.dtype:
         raise ValueError(f"grouped_mm: x is {tuple(x.shape)} {x.dtype}, the weights {tuple(weight.shape)} {weight.dtype} "
                          f"(transpose_weight={transpose_weight}); they need the same dtype and x {k} columns.")
-    if torch_grouped_mm_usable(device, (x.dtype, weight.dtype), (k, n)):
-        return reference.grouped_mm(_gathered(x, gather_index, top_k), weight, tokens_per_expert, bias, bias_scale,
-                                    transpose_weight)
+    if torch_gemm is None:
+        torch_gemm = TORCH_GEMM and torch_grouped_mm_usable(device, (x.dtype, weight.dtype), (k, n))
+    if torch_gemm:
+        return torch_grouped_mm(_gathered(x, gather_index, top_k), weight, tokens_per_expert, bias, bias_scale,
+                                transpose_weight)
     out = x.new_empty(m, n)
     if m == 0 or n == 0:
         return out
@@ -308,9 +323,12 @@ def grouped_mm(
         UPCAST=upcast_dot(x.dtype), ACC=accumulator(x.dtype), PRECISION=dot_precision(x.dtype),
         E_POW2=next_power_of_2(num_experts + 1),
     )
-    if config == "autotune" or (config is None and not INTERPRETING):
-        kernel = tuned("grouped_mm")
-        launch(kernel, lambda meta: _grid(m, n, num_experts, meta["BLOCK_M"], meta["BLOCK_N"]), device, *args, **flags)
+    if config == "autotune" or (config is None and USE_AUTOTUNER):
+        key = _key(n, k, args[12], x.stride(0), w.stride(1), w.stride(2), flags["PRECISION"], x.dtype, w.dtype,
+                   bias is not None, bias_scale is not None)
+        grid = lambda meta: _grid(m, n, num_experts, meta["BLOCK_M"], meta["BLOCK_N"])  # noqa: E731
+        strides = dict(stride_am=x.stride(0), stride_bk=w.stride(1), stride_bn=w.stride(2))
+        _launch_autotuned("grouped_mm", grid, device, args, flags, key, strides)
         return out
     config = config or INTERPRETER_CONFIG
     grid = _grid(m, n, num_experts, config["BLOCK_M"], config["BLOCK_N"])
@@ -326,6 +344,7 @@ def grouped_mm_weight_grad(
     top_k: int = 1,
     gather: str = "",
     config: dict | None = None,
+    torch_gemm: bool | None = None,
 ) -> torch.Tensor:
     """`reference.grouped_mm_weight_grad`: [E, A, B], grad_out[g]^T @ x[g] for each expert's row group g (zero for
     experts without rows).
@@ -333,8 +352,7 @@ def grouped_mm_weight_grad(
     Args:
         grad_out: [M, A]; x: [M, B]. With `gather_index` [M], the operand named by `gather` ("grad_out" or "x")
             is given in token order ([N, .]) and read through gather_index // top_k.
-        config: meta-parameters (BLOCK_P, BLOCK_Q, BLOCK_K, optionally num_warps, num_stages), "autotune", or None,
-            as in `grouped_mm`.
+        config, torch_gemm: as in `grouped_mm` (config keys BLOCK_P, BLOCK_Q, BLOCK_K).
     """
     device = check_device(grad_out, x, tokens_per_expert, gather_index)
     if (gather_index is not None) != (gather in ("grad_out", "x")):
@@ -346,10 +364,12 @@ def grouped_mm_weight_grad(
     gather_a, gather_b = gather == "grad_out", gather == "x"
     m = gather_index.shape[0] if gather_index is not None else grad_out.shape[0]
     num_experts, p, q = tokens_per_expert.shape[0], grad_out.shape[1], x.shape[1]
-    if torch_grouped_mm_usable(device, (grad_out.dtype, x.dtype), (p, q)):
+    if torch_gemm is None:
+        torch_gemm = TORCH_GEMM and torch_grouped_mm_usable(device, (grad_out.dtype, x.dtype), (p, q))
+    if torch_gemm:
         a = _gathered(grad_out, gather_index if gather_a else None, top_k)
         b = _gathered(x, gather_index if gather_b else None, top_k)
-        return reference.grouped_mm_weight_grad(a, b, tokens_per_expert)
+        return torch_grouped_mm_weight_grad(a, b, tokens_per_expert)
     out = x.new_empty(num_experts, p, q)
     if out.numel() == 0:
         return out
@@ -362,9 +382,11 @@ def grouped_mm_weight_grad(
         GATHER_A=gather_a, GATHER_B=gather_b, UPCAST=upcast_dot(x.dtype), ACC=accumulator(x.dtype),
         PRECISION=dot_precision(x.dtype), E_POW2=next_power_of_2(num_experts),
     )
-    if config == "autotune" or (config is None and not INTERPRETING):
+    if config == "autotune" or (config is None and USE_AUTOTUNER):
+        key = _key(p, q, args[10], grad_out.stride(0), x.stride(0), flags["PRECISION"], x.dtype)
         grid = lambda meta: _weight_grad_grid(p, q, num_experts, meta["BLOCK_P"], meta["BLOCK_Q"])  # noqa: E731
-        launch(tuned("weight_grad"), grid, device, *args, **flags)
+        strides = dict(stride_am=grad_out.stride(0), stride_bm=x.stride(0))
+        _launch_autotuned("weight_grad", grid, device, args, flags, key, strides)
         return out
     config = config or INTERPRETER_WEIGHT_GRAD_CONFIG
     grid = _weight_grad_grid(p, q, num_experts, config["BLOCK_P"], config["BLOCK_Q"])

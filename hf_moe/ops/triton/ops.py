@@ -1,34 +1,86 @@
 """The Triton ops as `torch.library` custom ops (`torch.ops.hf_moe_triton.*`), with fake kernels, and the expert
 computation built from them.
 
-The schemas are those of the compiled CPU ops (`torch.ops.hf_moe.*`, csrc/ops.cpp) and of `reference.py`;
+The schemas are those of the compiled CPU ops (`torch.ops.hf_moe.*`, library.py) and of `reference.py`;
 `grouped_mm` and `grouped_mm_weight_grad` take an optional `gather_index` that reads the row-major operand in
 token order (the permute fused into the GEMM). As custom ops they are opaque to `torch.compile` (which traces
 around them with the fake kernels) and run inside `ExpertsFunction`, which is their autograd.
+
+Importing this module defines the ops without importing triton (`import hf_moe` does, so a saved exported program
+that calls them loads anywhere); the kernels are imported when an op first runs.
+
+A kernel that fails to compile (a Triton compiler error, or a config the GPU cannot hold) does not stop training:
+that op runs its pure-torch implementation from then on in the process, after one RuntimeWarning naming the op,
+the error and HF_MOE_BACKEND=torch (which skips Triton altogether). Errors of ours (bad arguments) still raise.
 
 `FusedExperts` is the whole forward and backward of `ExpertsFunction` (its `fused_forward` / `fused_backward`),
 composed of these ops with the gathers fused: no [M, H] copy of the tokens or of the output gradient is made.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from .. import reference
+from ..reference import KERNEL_ACTIVATIONS
+from ..reference import expert_act as torch_expert_act
+from ..reference import expert_act_backward as torch_expert_act_backward
+from ..reference import grouped_mm as torch_grouped_mm
+from ..reference import grouped_mm_weight_grad as torch_grouped_mm_weight_grad
+from ..reference import permute as torch_permute
+from ..reference import sort_by_expert as torch_sort_by_expert
+from ..reference import unpermute as torch_unpermute
 from ..autograd import register_experts
 from ..experts import fused_backward_fake, fused_forward_fake
-from . import activation as _activation
-from . import grouped_gemm, routing
-from . import permute as _permute
 
 _NS = "hf_moe_triton::"
 
 
+ACTIVATIONS = tuple(KERNEL_ACTIVATIONS)  # the activation kernels' (triton/activation.py)
+fell_back: dict[str, str] = {}  # op -> the compile error that sent it to torch, in this process
+
+
+def _guarded(op: str, kernel: Callable, fallback: Callable, *args):
+    """`kernel(*args)`, or `fallback(*args)` (the pure-torch op) once a Triton kernel of `op` failed to compile."""
+    if op in fell_back:
+        return fallback(*args)
+    from triton.errors import TritonError
+
+    try:
+        return kernel(*args)
+    except TritonError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        fell_back[op] = f"{type(err).__name__}: {first}"
+        warnings.warn(
+            f"hf_moe: the Triton kernel of {op} failed to compile ({fell_back[op]}); {op} runs the pure-torch op "
+            "from now on in this process (correct, slower). Set HF_MOE_BACKEND=torch to skip the Triton kernels, and "
+            "please report this with the output of `python -m hf_moe.env`.",
+            RuntimeWarning, stacklevel=2,
+        )
+        return fallback(*args)
+
+
+def _torch_gathered_mm(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight, gather_index, top_k):
+    rows = x if gather_index is None else torch_permute(x, gather_index, top_k)
+    return torch_grouped_mm(rows, weight, tokens_per_expert, bias, bias_scale, transpose_weight)
+
+
+def _torch_weight_grad(grad_out, x, tokens_per_expert, gather_index, top_k, gather):
+    if gather == "grad_out":
+        grad_out = torch_permute(grad_out, gather_index, top_k)
+    elif gather == "x":
+        x = torch_permute(x, gather_index, top_k)
+    return torch_grouped_mm_weight_grad(grad_out, x, tokens_per_expert)
+
+
 @torch.library.custom_op(_NS + "sort_by_expert", mutates_args=())
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    return routing.sort_by_expert(top_k_index, num_experts)
+    from .routing import sort_by_expert as kernel  # imports triton: on first use only
+
+    return _guarded("sort_by_expert", kernel, torch_sort_by_expert, top_k_index,
+                    num_experts)
 
 
 @sort_by_expert.register_fake
@@ -40,7 +92,9 @@ def _(top_k_index, num_experts):
 
 @torch.library.custom_op(_NS + "permute", mutates_args=())
 def permute(hidden_states: Tensor, sorted_slots: Tensor, top_k: int) -> Tensor:
-    return _permute.permute(hidden_states, sorted_slots, top_k)
+    from .permute import permute as kernel  # imports triton: on first use only
+
+    return _guarded("permute", kernel, torch_permute, hidden_states, sorted_slots, top_k)
 
 
 @permute.register_fake
@@ -50,7 +104,10 @@ def _(hidden_states, sorted_slots, top_k):
 
 @torch.library.custom_op(_NS + "unpermute", mutates_args=())
 def unpermute(rows: Tensor, slot_to_row: Tensor, top_k_weights: Optional[Tensor], top_k: int) -> Tensor:
-    return _permute.unpermute(rows, slot_to_row, top_k_weights, top_k)
+    from .permute import unpermute as kernel  # imports triton: on first use only
+
+    return _guarded("unpermute", kernel, torch_unpermute, rows, slot_to_row, top_k_weights,
+                    top_k)
 
 
 @unpermute.register_fake
@@ -69,8 +126,10 @@ def grouped_mm(
     gather_index: Optional[Tensor] = None,
     top_k: int = 1,
 ) -> Tensor:
-    return grouped_gemm.grouped_mm(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight, gather_index,
-                                   top_k)
+    from .grouped_gemm import grouped_mm as kernel  # imports triton: on first use only
+
+    return _guarded("grouped_mm", kernel, _torch_gathered_mm, x, weight, tokens_per_expert,
+                    bias, bias_scale, transpose_weight, gather_index, top_k)
 
 
 @grouped_mm.register_fake
@@ -84,7 +143,10 @@ def grouped_mm_weight_grad(
     grad_out: Tensor, x: Tensor, tokens_per_expert: Tensor, gather_index: Optional[Tensor] = None, top_k: int = 1,
     gather: str = "",
 ) -> Tensor:
-    return grouped_gemm.grouped_mm_weight_grad(grad_out, x, tokens_per_expert, gather_index, top_k, gather)
+    from .grouped_gemm import grouped_mm_weight_grad as kernel  # imports triton: on first use only
+
+    return _guarded("grouped_mm_weight_grad", kernel, _torch_weight_grad,
+                    grad_out, x, tokens_per_expert, gather_index, top_k, gather)
 
 
 @grouped_mm_weight_grad.register_fake
@@ -94,7 +156,9 @@ def _(grad_out, x, tokens_per_expert, gather_index=None, top_k=1, gather=""):
 
 @torch.library.custom_op(_NS + "expert_act", mutates_args=())
 def expert_act(h: Tensor, row_scale: Optional[Tensor], activation: str, glu: bool) -> Tensor:
-    return _activation.expert_act(h, row_scale, activation, glu)
+    from .activation import expert_act as kernel  # imports triton: on first use only
+
+    return _guarded("expert_act", kernel, torch_expert_act, h, row_scale, activation, glu)
 
 
 @expert_act.register_fake
@@ -106,7 +170,10 @@ def _(h, row_scale, activation, glu):
 def expert_act_backward(
     grad: Tensor, h: Tensor, row_scale: Optional[Tensor], activation: str, glu: bool, return_output: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return _activation.expert_act_backward(grad, h, row_scale, activation, glu, return_output)
+    from .activation import expert_act_backward as kernel  # imports triton: on first use only
+
+    return _guarded("expert_act_backward", kernel, torch_expert_act_backward,
+                    grad, h, row_scale, activation, glu, return_output)
 
 
 @expert_act_backward.register_fake
@@ -114,9 +181,6 @@ def _(grad, h, row_scale, activation, glu, return_output):
     scale_dtype = (row_scale if row_scale is not None else h).dtype
     scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
     return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
-
-
-ACTIVATIONS = _activation.ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -176,7 +240,7 @@ def fused_experts(activation_name: str) -> FusedExperts:
     """The fused computation for an activation: Triton's activation kernels when they implement it."""
     if activation_name in ACTIVATIONS:
         return FusedExperts(torch.ops.hf_moe_triton.expert_act, torch.ops.hf_moe_triton.expert_act_backward)
-    return FusedExperts(reference.expert_act, reference.expert_act_backward)
+    return FusedExperts(torch_expert_act, torch_expert_act_backward)
 
 
 # The fused computation as two ops with the compiled CPU ops' schemas, the forward differentiable by itself

@@ -1,0 +1,177 @@
+"""`save_checkpoint`: a model written in the per-expert layout, with checksums, committed atomically (commit.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from tqdm.auto import tqdm
+
+from ..compat import convert_file_size_to_int
+from ..model_card import render_model_card
+from .checksums import checksum_files, config_checksums
+from .commit import commit, discard, new_staging, resolve_output_directory, staging_directory
+from .format import (
+    AUTO_MAP, AUTO_MAP_MODULE, AUTO_MAP_SHIM, CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX,
+    INDEX_NAME,
+)
+from .layout import checkpoint_state_dict, local_state_dict, plan_shards
+
+
+def save_checkpoint(
+    model,
+    save_directory: str | os.PathLike,
+    *,
+    is_main_process: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    max_shard_size: int | str = "5GB",
+    extra=None,
+) -> None:
+    """Write `model` to `save_directory` in the per-expert layout, with a checksum of every file in the index.
+
+    Atomic: everything is written to a hidden staging directory beside the target, which then takes the
+    target's place in one rename. An interrupted save leaves the target as it was, never half-written, and the
+    next save removes what it left. Files in an existing target that this save does not produce (a tokenizer,
+    say) are kept; old weight files are not. A symbolic link as `save_directory` is followed: the directory it
+    points to is replaced, and the link stays.
+
+    With expert parallelism (DTensor parameters, or a `state_dict` of DTensors) every process must call it: each
+    writes the files of the experts it stores (`layout.whole_local_experts`: no communication when FSDP2
+    keeps experts whole, else its share of its block, gathered over "dp") and a share of the non-expert files,
+    gathered one tensor at a time; rank 0 writes the index. No process gathers the model. The files are the same as a
+    single process would write. Otherwise only `is_main_process` writes (a full `state_dict`, as Accelerate's
+    FULL_STATE_DICT gathers it on rank 0, is written as it is).
+
+    `extra(staging)`, if given, writes more files into the checkpoint before the commit (a tokenizer): they appear
+    with the model, atomically.
+    """
+    sharded = is_sharded(model, state_dict)
+    if not sharded and not is_main_process:
+        return
+    target = resolve_output_directory(save_directory, "Cannot save the model to")
+    max_bytes = convert_file_size_to_int(max_shard_size)
+    if sharded:
+        _save_expert_parallel(model, target, state_dict, max_bytes, extra)
+        return
+    shards = plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
+    with staging_directory(target) as staging:
+        finish(model, staging, target, [_write_shards(shards, staging)], extra)
+
+
+def is_sharded(model, state_dict) -> bool:
+    tensors = model.parameters() if state_dict is None else state_dict.values()
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def _write_shards(shards: dict[str, dict[str, torch.Tensor]], staging: Path) -> dict[str, str]:
+    """Write the shard files; {key: filename} of what was written."""
+    weight_map = {}
+    for filename, tensors in tqdm(shards.items(), desc="Saving per-expert shards", unit="file", leave=False):
+        save_file({k: t.contiguous() for k, t in tensors.items()}, staging / filename, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, filename))
+    return weight_map
+
+
+def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None) -> None:
+    """Config, generation config, `auto_map` shim, index (with the checksums of every weight file and of those
+    three), model card, and `extra(staging)`'s files (a tokenizer: see `convert_checkpoint`) into `staging`, then
+    move it to `target`."""
+    config = model.config
+    config.architectures = [_architecture(model)]
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.auto_map = dict(AUTO_MAP)
+    config.save_pretrained(staging)
+    (staging / f"{AUTO_MAP_MODULE}.py").write_text(AUTO_MAP_SHIM)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(staging)
+    weight_map = {k: v for part in weight_maps for k, v in part.items()}
+    total_size = total_parameters = 0
+    checksums = {}
+    for filename, header, record in checksum_files(staging, sorted(set(weight_map.values())), "Recording checksums"):
+        checksums[filename] = record
+        for key, meta in header.items():
+            if key != "__metadata__":
+                total_size += meta["data_offsets"][1] - meta["data_offsets"][0]
+                total_parameters += math.prod(meta["shape"])
+    index = {
+        "metadata": {
+            "total_size": total_size,
+            "total_parameters": total_parameters,
+            "format": "hf_moe",
+            "hf_moe_format": CHECKPOINT_FORMAT_VERSION,
+            "checksums": {
+                "algorithm": CHECKSUM_ALGORITHM, "files": checksums, "config_files": config_checksums(staging),
+            },
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (staging / "README.md").write_text(render_model_card(model))
+    if extra is not None:
+        extra(staging)
+    commit(staging, target)
+
+
+def _architecture(model) -> str:
+    """The model's class name, without the FSDP2 wrapper class `fully_shard` puts in front of it."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _save_expert_parallel(model, target: Path, state_dict, max_bytes: int, extra=None) -> None:
+    """The collective save of a sharded model (see `save_checkpoint`): one staging directory chosen by rank 0,
+    every process's files in it, rank 0 commits only if every process succeeded. Every process returns (or
+    raises) after the directory is in place (or discarded)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    main = rank == 0
+    error, written, mine = None, {}, {}
+    try:
+        tensors = local_state_dict(model, state_dict)
+        for i, (name, group) in enumerate(sorted(plan_shards(tensors, max_bytes).items())):
+            if name.startswith(EXPERT_FILE_PREFIX):  # this process's own experts
+                mine[name] = group
+                continue
+            writer = i % world == rank  # non-expert files take turns; each tensor is gathered by all, kept by one
+            full = {}
+            for key, tensor in group.items():
+                tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # collective: all ranks
+                if writer:
+                    full[key] = tensor
+            if writer:
+                mine[name] = full
+    except BaseException as err:  # no collective may be skipped by one process only: fail everywhere
+        error = err
+    staging_name = [str(new_staging(target)) if main else None]
+    dist.broadcast_object_list(staging_name, src=0)
+    staging = Path(staging_name[0])
+    if error is None:
+        try:
+            written = _write_shards(mine, staging)
+        except BaseException as err:  # the other ranks must still hear about it, or they wait forever
+            error = err
+    results: list = [None] * world
+    dist.all_gather_object(results, (error is None, written))
+    status = [None]
+    if main:
+        try:
+            if not all(ok for ok, _ in results):
+                failed = [r for r, (ok, _) in enumerate(results) if not ok]
+                raise RuntimeError(f"Saving {target} failed on rank(s) {failed}.")
+            finish(model, staging, target, [part for _, part in results], extra)
+            status[0] = "ok"
+        except BaseException as err:
+            discard(staging)
+            status[0] = f"{type(err).__name__}: {err}"
+            if error is None:
+                error = err
+    dist.broadcast_object_list(status, src=0)
+    if error is not None:
+        raise error
+    if status[0] != "ok":
+        raise RuntimeError(f"Saving {target} failed on rank 0: {status[0]}")

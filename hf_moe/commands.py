@@ -1,0 +1,305 @@
+"""What the `hf-moe` commands do, once `hf_moe_cli` (standard library only, so `--help` is instant) has parsed them."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+_OPTION_FLAGS = (
+    "capacity_factor", "every", "dtype", "num_shared_experts", "router_weights", "noise", "reinit_fraction",
+    "partition", "calibration_data", "calibration_tokens",
+)
+
+
+def _convert(args) -> None:
+    from .checkpoint import same_directory, save_checkpoint
+    from .convert.api import convert_to_moe
+    from .convert.stream import StreamingUnsupported, convert_checkpoint
+    from .model_card import block_diff_text
+
+    start = time.perf_counter()
+    options = {"seed": args.seed, "router_type": args.router}
+    options.update({k: getattr(args, k) for k in _OPTION_FLAGS if getattr(args, k) is not None})
+    if same_directory(args.src, args.out):
+        raise ValueError(
+            f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT."
+        )
+    tokenizer = _tokenizer_writer(args.src)  # into OUT's staging directory: OUT appears with it, atomically
+    model = None
+    if not args.in_memory and os.path.isdir(args.src):
+        try:
+            model = convert_checkpoint(
+                args.src, args.out, args.num_experts, args.top_k, method=args.method, layers=args.layers,
+                max_shard_size=args.max_shard_size, extra=tokenizer, **options,
+            )
+            print(f"Streamed {args.src} tensor by tensor (the model was never loaded whole).")
+        except StreamingUnsupported as why:
+            print(f"Converting in memory: streaming is not possible here ({why}).", file=sys.stderr)
+    if model is None:
+        model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
+        save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
+    counts = model.parameter_counts()
+    conv = model.config.moe_conversion
+    print(
+        f"Converted {args.src} -> {args.out} in {time.perf_counter() - start:.1f}s ({args.method}): "
+        f"{len(model.config.moe_layers)} MoE layers x {args.num_experts} experts (top-{args.top_k})"
+        f"{f', {model.config.num_shared_experts} shared' if model.config.num_shared_experts else ''}, "
+        f"{counts['total'] / 1e6:.1f}M parameters, {counts['active'] / 1e6:.1f}M active per token."
+    )
+    if "max_abs_logit_diff" in conv:
+        print(
+            f"Max |logit difference| to the dense model on a random probe: {conv['max_abs_logit_diff']:.2e} "
+            f"(greedy tokens {'equal' if conv['same_argmax'] else 'differ'})."
+        )
+    if "max_abs_block_diff" in conv:
+        print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {block_diff_text(conv)}.")
+
+
+def _tokenizer_writer(src: str):
+    """A function that writes the base model's tokenizer into a directory (OUT's staging directory, so that OUT is
+    self-contained and appears with its tokenizer in one step), or None. From a local directory the tokenizer files
+    are copied byte for byte through the guarded opener (a link out of SRC, a FIFO, an oversized file is left out,
+    with a note); from the Hub, transformers' tokenizer is saved."""
+    from .checkpoint import TOKENIZER_FILES, copy_files
+
+    if os.path.isdir(src):
+        def write(staging) -> None:
+            copied, refused = copy_files(src, TOKENIZER_FILES, staging, f"the source {src}")
+            for line in refused:
+                print(f"Note: a tokenizer file was not copied: {line}", file=sys.stderr)
+            if not copied:
+                print(f"Note: no tokenizer copied: {src} has none.", file=sys.stderr)
+
+        return write
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as err:  # a model without a tokenizer is still a model
+        print(f"Note: no tokenizer copied from {src} ({type(err).__name__}).", file=sys.stderr)
+        return None
+    return tokenizer.save_pretrained
+
+
+def _inspect(args) -> None:
+    from .inspect import format_routing, format_summary, routing_summary, save_heatmap, summarize_checkpoint
+
+    print(format_summary(summarize_checkpoint(args.dir), args.dir))
+    if not args.routing:
+        return
+    if not args.data:
+        raise ValueError("--routing needs --data FILE, a text file to run the model over.")
+    config, summary, tokens = routing_summary(args.dir, args.data, max_tokens=args.max_tokens)
+    print()
+    print(format_routing(config, summary, tokens))
+    if len(args.data) > 1:  # several domains (issue 21): which expert each domain's tokens go to
+        from .inspect import domain_routing, format_domain_routing
+
+        print()
+        print(format_domain_routing(*domain_routing(args.dir, args.data, max_tokens=args.max_tokens)))
+    heatmap = args.heatmap or os.path.join(args.dir, "routing.png")
+    try:
+        save_heatmap(config, summary, heatmap)
+        print(f"heatmap: {heatmap}")
+    except ImportError as err:
+        print(f"(no heatmap: {err})", file=sys.stderr)
+
+
+def _merge(args) -> None:
+    """`hf-moe merge CONFIG OUT` (issue 21): the work is hf_moe/convert/merge.py's."""
+    from .convert.merge import merge_to_moe
+
+    start = time.perf_counter()
+    model = merge_to_moe(args.config, args.out, max_shard_size=args.max_shard_size)
+    c, counts, conv = model.config, model.parameter_counts(), model.config.moe_conversion
+    print(
+        f"Merged {c.num_experts} models into {args.out} in {time.perf_counter() - start:.1f}s: {len(c.moe_layers)} "
+        f"MoE layers x {c.num_experts} experts (top-{c.num_experts_per_tok})"
+        f"{', 1 shared' if c.num_shared_experts else ''}, gates {conv['options']['gate_mode']}, non-expert weights "
+        f"{conv['options']['non_expert_weights']}; {counts['total'] / 1e6:.1f}M parameters, "
+        f"{counts['active'] / 1e6:.1f}M active per token."
+    )
+    if "max_abs_expert_diff" in conv:
+        print(f"Every expert, as written, reproduces its source model's MLP within {conv['max_abs_expert_diff']:.2e} "
+              f"(outputs up to {conv['max_abs_mlp_output']:.2g}) on a random probe.")
+
+
+def _export(args) -> None:
+    from .export import export_native
+
+    result = export_native(args.dir, args.out, verify=not args.no_verify, max_shard_size=args.max_shard_size)
+    print(f"Exported {args.dir} -> {args.out} as {result.architecture} (model_type {result.model_type!r}).")
+    if result.max_abs_logit_diff is not None:
+        print(
+            f"Max |logit difference| to the hf_moe model on a random probe: {result.max_abs_logit_diff:.2e} "
+            f"(greedy tokens {'equal' if result.same_argmax else 'differ'})."
+        )
+    print(f"Load it with plain transformers: AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+
+
+def _generate(args) -> None:
+    import torch
+
+    from .checkpoint import load_tokenizer, reading
+    from .modeling import MoEForCausalLM
+    from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
+
+    offload = args.offload_experts is not None or args.max_expert_memory is not None
+    options = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory) if offload else {}
+    start = time.perf_counter()
+    with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
+        model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
+        tokenizer = load_tokenizer(args.model)
+    load_s = time.perf_counter() - start
+    if args.chat:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)
+    else:
+        inputs = tokenizer(args.prompt, return_tensors="pt")
+    timer = GenerationTimer(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=timer, pad_token_id=pad)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    print(
+        f"{timer.new_tokens} tokens: prefill {prompt_tokens / timer.prefill_s:.1f} tok/s ({prompt_tokens} prompt "
+        f"tokens), decode {timer.decode_tokens_per_s:.2f} tok/s; peak RSS {peak_rss_bytes() / 2**30:.2f} GiB; "
+        f"loaded in {load_s:.1f}s",
+        file=sys.stderr,
+    )
+    if offload:
+        print(f"{describe(model)}\n{expert_cache(model).stats.summary()}", file=sys.stderr)
+
+
+
+
+def _verify(args) -> int:
+    from .checkpoint import record_config_files, verify_checkpoint
+
+    if getattr(args, "update", False):
+        changed = record_config_files(args.dir)
+        print(f"{args.dir}: recorded the checksums of {', '.join(changed) if changed else 'no changed file'}; "
+              "verifying.")
+    report = verify_checkpoint(args.dir)
+    if report.problems:
+        print(f"{args.dir}: {len(report.problems)} problem(s):", file=sys.stderr)
+        for problem in report.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    size = f"{report.num_bytes / 1e9:.2f} GB" if report.num_bytes >= 1e9 else f"{report.num_bytes / 1e6:.1f} MB"
+    print(
+        f"{args.dir}: {report.files} files, {size}: every checksum ({report.algorithm}) matches the save, and the "
+        f"checks before load pass ({report.seconds:.2f}s)."
+    )
+    return 0
+
+
+def _plan_config(args):
+    """(MoE config, meta-device MoE model, description) of MODEL_OR_CONFIG; a dense config is upcycled on meta."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .checkpoint import CheckpointError, read_json
+    from .configuration import MoEConfig
+    from .convert.api import convert_to_moe
+    from .parallel.sizing import meta_model
+
+    path = args.model
+    local = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.isfile(local):
+        real = os.path.realpath(local) if local == path else local  # (a file named on the command line, or a model's)
+        try:  # with the guarded opener's checks and bounds
+            fields = read_json(os.path.dirname(real), os.path.basename(real), "the command line")
+        except CheckpointError as err:
+            raise ValueError(f"{local} is not a JSON config file ({err}).") from None
+        if "model_type" not in fields:
+            raise ValueError(f"{path} is not a transformers config.json (it has no model_type).")
+        model_type = fields.pop("model_type")
+        config = MoEConfig.from_dict(fields) if model_type == "hf_moe" else AutoConfig.for_model(model_type, **fields)
+    else:
+        config = AutoConfig.from_pretrained(path)
+    if isinstance(config, MoEConfig):
+        if args.num_experts is not None or args.top_k is not None:
+            raise ValueError(f"{path} is already an MoE model: drop --num-experts / --top-k.")
+        return config, meta_model(config), f"{path}"
+    if args.num_experts is None or args.top_k is None:
+        raise ValueError(
+            f"{path} is a dense `{config.model_type}` model: pass --num-experts and --top-k to plan it upcycled."
+        )
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(config)
+    moe = convert_to_moe(dense, args.num_experts, args.top_k, verify=False)
+    return moe.config, moe, f"{path} upcycled to {args.num_experts} experts, top-{args.top_k}"
+
+
+def _plan(args) -> None:
+    """`hf-moe plan`: memory per GPU of every (EP, FSDP) layout, and which fit."""
+    import torch
+
+    from .compat import convert_file_size_to_int
+    from .parallel.sizing import candidate_layouts, estimate
+
+    for name in ("gpus", "nodes", "micro_batch", "seq_len", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}.")
+    try:
+        memory = convert_file_size_to_int(args.gpu_memory)
+    except ValueError:
+        raise ValueError(f"--gpu-memory takes a size like 80GB or 80GiB, got {args.gpu_memory!r}.") from None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    config, model, what = _plan_config(args)
+    gpus = args.gpus * args.nodes
+    layouts = candidate_layouts(config.num_experts, gpus, args.gpus)
+    if not layouts:
+        raise ValueError(f"No expert-parallel size divides both num_experts={config.num_experts} and {gpus} GPUs.")
+    counts = model.parameter_counts()
+    gb = 1e9
+    print(
+        f"{what}: {counts['total'] / 1e9:.2f}B parameters ({counts['expert'] / 1e9:.2f}B in experts, "
+        f"{config.num_experts} per MoE layer x {len(config.moe_layers)} layers, top-{config.num_experts_per_tok})\n"
+        f"{gpus} GPUs ({args.nodes} node(s) x {args.gpus}), {memory / gb:.1f} GB each; {args.dtype} weights and "
+        f"gradients, AdamW with fp32 exp_avg and exp_avg_sq"
+        + (" and an fp32 master copy" if dtype != torch.float32 else "")
+        + f"; micro-batch {args.micro_batch} x {args.seq_len} tokens, {args.gradient_accumulation_steps} "
+        "accumulation step(s)\n"
+    )
+    header = (f"{'EP':>4} {'FSDP':>5} {'experts/GPU':>11} {'weights':>9} {'grads':>9} {'optimizer':>10} "
+              f"{'gathered':>9} {'activ.~':>9} {'total':>9} {'all-to-all/step':>16}  fits")
+    print(header)
+    print("-" * len(header))
+    for layout in layouts:
+        e = estimate(config, layout, dtype=dtype, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                     gradient_accumulation_steps=args.gradient_accumulation_steps, model=model)
+        r = e.per_rank
+        fits = "yes" if e.total <= memory else "no"
+        where = " (EP across nodes)" if layout.ep > args.gpus else ""
+        print(f"{layout.ep:>4} {layout.dp:>5} {e.experts_per_rank:>11.4g} {r['weights'] / gb:>8.1f}G "
+              f"{r['gradients'] / gb:>8.1f}G {r['optimizer'] / gb:>9.1f}G {e.gathered / gb:>8.1f}G "
+              f"{e.activations / gb:>8.1f}G {e.total / gb:>8.1f}G {e.all_to_all_per_step / gb:>15.2f}G  {fits}{where}")
+    print(
+        "\nEP: processes per expert-parallel group (tokens travel between them); FSDP: groups, over which each block "
+        "of experts is sharded. Non-expert parameters are sharded over EP and replicated over FSDP (hf_moe.parallelize)."
+        "\nweights, grads, optimizer: the largest rank's shards (exact, as FSDP2 chunks them). gathered: the root "
+        "unit and the largest layer, unsharded for compute, with their gradients. activ.~: rough (+-30%), one "
+        "micro-batch, no activation checkpointing (which cuts it to about one layer's). all-to-all: bytes each GPU "
+        "sends per optimizer step (dispatch and combine, forward and backward). Keep ~10% for the CUDA context and "
+        "allocator fragmentation."
+    )
+
+
+COMMANDS = {
+    "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan, "generate": _generate,
+}
+
+
+def run(args) -> int:
+    """Run the parsed command (see `hf_moe_cli`, which parses). Returns the exit status: 0, the command's own (1
+    when `verify` finds damage), or 2 for bad input."""
+    try:
+        status = COMMANDS[args.command](args)
+    except (ValueError, TypeError, OSError) as err:  # bad input and missing or unwritable paths
+        print(f"hf-moe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return status or 0

@@ -1,0 +1,285 @@
+"""Which implementation of the dispatch ops runs, and why: `HF_MOE_BACKEND`, `use_backend`, `experts_forward`.
+
+`HF_MOE_BACKEND` (read by extension.py):
+  * auto (default): on CPU the compiled C++ kernels, falling back to the pure-torch ops with one warning when the
+    extension cannot be built; on CUDA the pure-torch ops (`reference.py`: torch ops, and torch's own grouped GEMM
+    where it is its fast path), because that is code PyTorch itself runs on GPUs. hf_moe's Triton kernels have not
+    yet passed `python -m hf_moe.gpu_check` on a real GPU, so they are never chosen for you (`cuda_default`).
+  * compiled: as auto, but a failed build of the C++ extension is an error (CUDA tensors run as under auto: the
+    extension has no CUDA kernels);
+  * triton: the Triton kernels everywhere (CUDA; CPU tensors only under TRITON_INTERPRET=1, for tests);
+  * torch: the pure-torch ops everywhere (nothing is built).
+`backend_report()` (and `python -m hf_moe.env`) says which one runs and why.
+
+The first call may be traced (`torch.compile(fullgraph=True)`, `torch.export`): what is decided on the host (loading
+or building the extension, picking the variant, naming a transformers experts module's activation) runs outside
+the traced region (`torch.compiler.assume_constant_result`, and no tensor is computed to decide), and every op
+that reaches a graph has a shape function and a backward formula of its own (library.py, autograd.py).
+Under `torch.onnx.export` the experts run as standard ops only (dense.py), which every ONNX runtime has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+
+import torch
+
+from .dense import experts_forward as dense_experts_forward
+from .activations import activation_key
+from .experts import REFERENCE, DispatchOps, run_experts
+from .reference import GROUPED_MM_WHY, KERNEL_ACTIVATIONS
+from .extension import backend_setting, load_extension
+
+__all__ = [
+    "BACKENDS", "REFERENCE", "backend_report", "cuda_default", "dispatch_ops", "experts_forward", "kernel_activation",
+    "use_backend",
+]
+
+# ACT2FN key -> name of the compiled activation that computes the same function.
+_KERNEL_NAMES = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",  # the tanh GELU with its constants written out (what Bloom's MLP computes)
+    "relu": "relu", "relu2": "relu2",
+}
+
+
+def kernel_activation(name: str) -> str:
+    """The compiled kernel's name for an ACT2FN activation, or the ACT2FN name if no kernel implements it."""
+    return _KERNEL_NAMES.get(name, name)
+
+
+_loaded: dict[str, object] = {}  # "ops": the compiled DispatchOps or None
+
+
+@torch.compiler.disable  # loading (maybe building) the extension is never traced
+def _load() -> None:
+    module, status = load_extension()
+    ops = torch.ops.hf_moe if module is not None else None
+    _loaded["ops"] = None if ops is None else DispatchOps(
+        "compiled", ops.sort_by_expert, ops.permute, ops.unpermute, ops.grouped_mm, ops.grouped_mm_weight_grad,
+        ops.expert_act, ops.expert_act_backward, ops.moe_experts_forward, ops.moe_experts_backward,
+    )
+
+
+def _compiled() -> DispatchOps | None:
+    """The compiled ops, loading (and on first use building) the extension; None when unavailable."""
+    if "ops" not in _loaded:
+        _load()
+    return _loaded["ops"]
+
+
+BACKENDS = ("torch", "compiled", "triton")
+_forced: list[str] = []
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops of `name` ("torch", "compiled" or "triton") inside the block, whatever HF_MOE_BACKEND says."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if name == "compiled" and _compiled() is None:
+        raise RuntimeError(f"the compiled backend is unavailable: {load_extension()[1].how}")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _triton_status(device_type: str) -> tuple[bool, str]:
+    from .triton import status
+
+    return status(device_type)
+
+
+# Why CUDA tensors do not run hf_moe's Triton kernels unless asked: the design's rule that what runs by default on a
+# device has executed on that kind of device. Change it (and docs/backends.md) once a GPU run of
+# `python -m hf_moe.gpu_check` has passed and measured Triton faster.
+CUDA_DEFAULT_WHY = (
+    "the default on CUDA runs only code PyTorch itself runs on GPUs; hf_moe's Triton kernels have not yet passed "
+    "`python -m hf_moe.gpu_check` on a GPU, so they are opt-in (HF_MOE_BACKEND=triton)"
+)
+
+
+def cuda_default() -> tuple[str, str]:
+    """(backend, why) for CUDA tensors under the current HF_MOE_BACKEND."""
+    setting = backend_setting()
+    if setting == "triton":
+        return "triton", "HF_MOE_BACKEND=triton"
+    if setting == "torch":
+        return "torch", "HF_MOE_BACKEND=torch"
+    return "torch", f"HF_MOE_BACKEND={setting}: {CUDA_DEFAULT_WHY}"
+
+
+@torch.compiler.disable  # decided once per device type, outside any trace
+def _choose(device_type: str) -> str:
+    """The backend HF_MOE_BACKEND selects for tensors on `device_type` (load_extension warns, or raises under
+    HF_MOE_BACKEND=compiled, when the C++ extension cannot be built for CPU tensors)."""
+    setting = backend_setting()
+    if setting in ("torch", "triton"):
+        return setting
+    if device_type == "cpu":
+        return "compiled" if _compiled() is not None else "torch"
+    return "torch" if device_type != "cuda" else cuda_default()[0]
+
+
+@torch.compiler.disable  # built once per (backend, device, activation), outside any trace
+def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
+    if backend == "torch":
+        return REFERENCE
+    if backend == "triton":
+        usable, why = _triton_status(device_type)
+        if not usable:
+            raise RuntimeError(f"the Triton backend cannot run on {device_type} tensors: {why}. Use "
+                               "HF_MOE_BACKEND=auto or torch there.")
+        from .triton import dispatch_ops as triton_dispatch_ops
+
+        return triton_dispatch_ops(activation)
+    if device_type != "cpu":
+        raise RuntimeError(f"the compiled backend (C++) runs on CPU tensors, not {device_type}; on CUDA use "
+                           "'torch' (the default there) or 'triton' (opt-in).")
+    compiled = _compiled()
+    if activation not in KERNEL_ACTIVATIONS:
+        return dataclasses.replace(
+            compiled, name=compiled.name + ", activation in torch", expert_act=REFERENCE.expert_act,
+            expert_act_backward=REFERENCE.expert_act_backward, fused_forward=None, fused_backward=None,
+        )
+    return compiled
+
+
+def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
+    """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
+    key = (_forced[-1] if _forced else None, device.type, activation)
+    _select(key)
+    return _variants[key]
+
+
+_chosen: dict[str, str] = {}  # device type -> the backend HF_MOE_BACKEND selects there
+_variants: dict[tuple[str | None, str, str], DispatchOps] = {}
+
+
+@torch.compiler.assume_constant_result  # traced calls run it at trace time: loading and choosing are never traced
+def _select(key: tuple[str | None, str, str]) -> bool:
+    """Pick the ops for (forced backend or None, device type, activation) into `_variants`, once per key, loading
+    (maybe building) the extension on the way."""
+    if key not in _variants:
+        backend, device_type, activation = key
+        if backend is None:
+            if device_type not in _chosen:
+                _chosen[device_type] = _choose(device_type)
+            backend = _chosen[device_type]
+        _variants[key] = _variant(backend, device_type, activation)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _onnx_exporting() -> bool:
+    """Whether `torch.onnx.export` is tracing the model (its public flag; torch.onnx is not imported to ask)."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
+
+
+def _activation_of(experts: torch.nn.Module) -> str:
+    """The ACT2FN name of an experts module's activation: ours store it; transformers' hold an ACT2FN module,
+    recognised by its class and settings (never by computing it, so traced calls see the same answer)."""
+    name = getattr(experts, "activation", None)
+    if name is None:
+        name = activation_key(experts.act_fn)
+    if name is None:
+        raise ValueError(
+            f"hf_moe cannot tell which activation {experts.act_fn!r} of {type(experts).__name__} computes: it is "
+            "not one that transformers' ACT2FN builds. Give the experts module an `activation` attribute naming "
+            "the ACT2FN key that computes the same function."
+        )
+    return name
+
+
+def experts_forward(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Run each token through its k experts and combine the outputs with the routing weights.
+
+    `experts` follows transformers' fused-experts layout: `num_experts`, `has_gate`, `act_fn`, and either
+    `gate_up_proj` [E, 2I, H] (gate rows first) or `up_proj` [E, I, H], then `down_proj` [E, H, I], with
+    optional `*_bias` [E, out].
+
+    Under autocast (`torch.autocast`, as `Trainer(bf16=True)` runs a model whose weights stay fp32) the inputs and
+    the expert weights are cast to the autocast dtype first, as autocast does for `nn.Linear`, and the experts run
+    in it; the weights' gradients come back in their own dtype through the cast.
+
+    Args:
+        hidden_states: [N, H]; top_k_index: [N, k] int; top_k_weights: [N, k].
+    Returns:
+        [N, H] in `hidden_states.dtype` (the autocast dtype under autocast).
+    """
+    activation = kernel_activation(_activation_of(experts))
+    if experts.has_gate:
+        w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
+    else:
+        w1, b1 = experts.up_proj, getattr(experts, "up_proj_bias", None)
+    w2, b2 = experts.down_proj, getattr(experts, "down_proj_bias", None)
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden_states, w1, b1, w2, b2 = (None if t is None else t.to(dtype) for t in (hidden_states, w1, b1, w2, b2))
+        with torch.autocast(device_type, enabled=False):
+            return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
+    return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
+
+
+def _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu):
+    if _onnx_exporting():
+        return dense_experts_forward(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
+    ops = dispatch_ops(hidden_states.device, activation)
+    return run_experts(ops, hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
+
+
+_OPS = ["sort_by_expert", "permute", "grouped_mm", "grouped_mm_weight_grad", "expert_act", "unpermute"]
+
+
+def backend_report() -> dict[str, tuple[str, str]]:
+    """{op: (implementation, why)} for this process: the ops on CPU, then the experts on CUDA."""
+    setting = backend_setting()
+    if setting == "triton":
+        usable, why = _triton_status("cpu")
+        impl = "triton (interpreter)" if usable else "triton: cannot run here, the ops raise"
+        report = {op: (impl, f"HF_MOE_BACKEND=triton; {why}") for op in _OPS}
+        report["experts (whole layer)"] = ("triton: the ops above, permute fused into the GEMMs", why)
+    else:
+        report = _cpu_report(setting)
+    report.update(_cuda_report())
+    return report
+
+
+def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
+    module, status = load_extension()
+    if module is None:
+        report = {op: ("torch", status.how) for op in _OPS}
+        report["experts (whole layer)"] = ("torch: composed from the ops above", status.how)
+        return report
+    why = f"{status.how}; HF_MOE_BACKEND={setting}"
+    report = {op: ("compiled C++ (OpenMP)", why) for op in _OPS}
+    report["grouped_mm"] = ("compiled C++: one call, a GEMM per expert", why)
+    report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
+    report["experts (whole layer)"] = ("compiled C++: fused, one call forward, one backward", "CPU")
+    return report
+
+
+def _cuda_report() -> dict[str, tuple[str, str]]:
+    backend, why = cuda_default()
+    gemms = ("torch grouped_mm for bf16 on sm90 (16-byte aligned); else a torch.mm per expert (one host sync)",
+             GROUPED_MM_WHY)
+    if backend == "torch":
+        return {"experts on CUDA": ("torch ops (reference.py)", why), "GEMMs on CUDA": gemms}
+    usable, status = _triton_status("cuda")
+    if not usable:
+        return {"experts on CUDA": ("triton: cannot run here, the ops raise", f"{why}; {status}")}
+    return {
+        "experts on CUDA": ("triton kernels (opt-in), permute fused into the GEMMs", f"{why}; {status}"),
+        "GEMMs on CUDA": ("torch grouped_mm where usable (as above), else triton", GROUPED_MM_WHY),
+    }

@@ -1,0 +1,127 @@
+"""The package's dependencies run one way: its import graph, imports inside functions included, has no circle.
+
+Every `import` and `from ... import` anywhere in a module (at the top, inside a function, under a condition) is an
+edge, as is `importlib.import_module("hf_moe....")` with a literal name: a lazy import that breaks a circle at run
+time is still a circle in the design. Importing a module of a subpackage runs that subpackage's `__init__`, so it
+is an edge to the subpackage too. The package root only re-exports: it may import anything, and nothing in the
+package may import it (each module imports what it uses from where it lives). `hf_moe_cli.py`, the top-level
+parser behind `hf-moe`, belongs to the graph too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ROOT = "hf_moe"
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in (REPO / ROOT).rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    modules["hf_moe_cli"] = REPO / "hf_moe_cli.py"
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the modules of the package it imports}, read from the source (nothing is imported)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:  # `from . import module` imports the module; `from . import name`, the package
+                    targets.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                targets.add(node.args[0].value)
+        edges = set()
+        for target in targets:
+            parts = target.split(".")
+            # the module itself, and the subpackages whose __init__ importing it runs (not the root)
+            for i in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix == ROOT:  # only an import of the root itself (or of a name it defines) is an edge to it
+                    if target == ROOT:
+                        edges.add(ROOT)
+                elif prefix in modules and prefix != name and not name.startswith(prefix + "."):
+                    edges.add(prefix)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph()
+    assert len(graph) > 50  # the walker found the package
+    assert cycles(graph) == []
+
+
+def test_nothing_in_the_package_imports_its_root():
+    graph = import_graph()
+    assert sorted(name for name, edges in graph.items() if ROOT in edges and name != ROOT) == []
+
+
+def test_the_walker_sees_lazy_imports_and_subpackage_inits():
+    """The walker itself: a circle made only of an import inside a function, or through a subpackage's __init__,
+    is found."""
+    graph = {"a": {"b"}, "b": set(), "c.x": {"c"}, "c": {"c.y"}, "c.y": {"c.x"}}
+    assert cycles(graph) == [["c", "c.x", "c.y"]]
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    real = import_graph()
+    assert "hf_moe.commands" in real["hf_moe_cli"]  # a top-level module's import inside a function
+    assert "hf_moe.ops.reference" in real["hf_moe.ops"]  # `from . import reference`
+    assert {"hf_moe.checkpoint", "hf_moe.checkpoint.commit"} <= real["hf_moe.export"]  # `.checkpoint.commit` runs
+    assert "hf_moe.checkpoint" not in real["hf_moe.checkpoint.save"]  # ... the __init__ of another package only
+
+
+def test_no_module_is_over_600_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
