@@ -57,7 +57,7 @@ def _fused_experts(module: nn.Module) -> bool:
         return True
     if isinstance(module, QuantizedExperts):
         return False
-    up = getattr(module, "gate_up_proj", None) if getattr(module, "has_gate", False) else getattr(module, "up_proj", None)
+    up = getattr(module, "gate_up_proj" if getattr(module, "has_gate", False) else "up_proj", None)
     down = getattr(module, "down_proj", None)
     return (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3
             and up.is_floating_point()

@@ -65,7 +65,9 @@ class ExpertLayout:
         if config.expert_bias:
             shapes.update({f"{up}_bias": (rows,), "down_proj_bias": (h,)})
         # The same key layout as checkpoint.expected_expert_keys.
-        prefixes = tuple(f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers)
+        prefixes = tuple(
+            f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers
+        )
         return cls(
             shapes, prefixes, config.num_experts, config.num_experts_per_tok, config.expert_glu, config.expert_bias,
             config.expert_hidden_act, dtypes, group,
