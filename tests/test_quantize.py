@@ -227,6 +227,19 @@ def test_load_detects_a_corrupt_expert_file(tmp_path):
         load_quantized(tmp_path / "q")
 
 
+def test_load_refuses_a_changed_config(tmp_path):
+    """config.json is checked against the checksum recorded at save time, as for every hf_moe load."""
+    save_quantized(quantize_experts(_moe(), "int8"), tmp_path / "q")
+    path = tmp_path / "q" / "config.json"
+    config = json.loads(path.read_text())
+    config["num_experts_per_tok"] = 1
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="config files changed"):
+        load_quantized(tmp_path / "q")
+    with pytest.raises(CheckpointError, match="config files changed"):
+        hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "q", offload_experts="disk", max_expert_memory="1MiB")
+
+
 def test_save_refuses_an_unquantized_model(tmp_path):
     with pytest.raises(ValueError, match="quantize_experts"):
         save_quantized(_moe(), tmp_path / "q")
@@ -262,6 +275,35 @@ def test_offloaded_int8_experts_generate_like_resident_ones(tmp_path, mode):
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
     assert cache.stats.bytes_read == int8_bytes * (cache.stats.demand_fetches + cache.stats.prefetches) > 0
+
+
+@pytest.mark.parametrize("mode", ["disk", "cpu"])
+def test_offloaded_int8_expert_is_verified_at_its_first_read(tmp_path, mode):
+    """One flipped bit of an int8 weight: the offloaded load ("disk") hashes each expert tensor at its first read,
+    and refuses it there; "cpu" reads every expert at load, and refuses the load."""
+    from hf_moe.offload import expert_cache
+
+    save_quantized(quantize_experts(_moe(), "int8"), tmp_path / "q")
+    path = tmp_path / "q" / "model-expert-00002.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+    def load():
+        return hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "q", offload_experts=mode, max_expert_memory="1MiB")
+
+    if mode == "cpu":
+        with pytest.raises(CheckpointError, match="model-expert-00002.safetensors is corrupt"):
+            load()
+        return
+    store = expert_cache(load()).store
+    layout = store.layout
+    fresh = {name: torch.empty(shape, dtype=layout.dtype_of(name, torch.float32))
+             for name, shape in layout.shapes.items()}
+    store.read_into(0, 1, fresh)  # an intact expert
+    with pytest.raises(CheckpointError, match="model-expert-00002.safetensors is corrupt"):
+        for layer in range(layout.num_layers):
+            store.read_into(layer, 2, fresh)
 
 
 def test_torch_compile_fullgraph_runs_the_int8_kernel():
