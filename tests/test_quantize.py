@@ -11,7 +11,7 @@ import torch
 from conftest import random_ids, tiny_dense
 
 import hf_moe
-from hf_moe.checkpoint import CheckpointError, read_safetensors_header
+from hf_moe.checkpoint import CheckpointError, read_safetensors_header, verify_checkpoint
 from hf_moe.layers.quantized import QuantizedExperts
 from hf_moe.ops import experts_forward, use_backend
 from hf_moe.ops.int8 import dequantize_int8, group_size_of, quantize_int8
@@ -238,6 +238,19 @@ def test_load_refuses_a_changed_config(tmp_path):
         load_quantized(tmp_path / "q")
     with pytest.raises(CheckpointError, match="config files changed"):
         hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "q", offload_experts="disk", max_expert_memory="1MiB")
+
+
+def test_verify_checkpoint_of_int8_experts(tmp_path):
+    """`hf-moe verify` takes an int8 checkpoint for what it is (not a float model's with wrong dtypes), and finds a
+    flipped bit in it."""
+    save_quantized(quantize_experts(_moe(), "int8"), tmp_path / "q")
+    assert verify_checkpoint(tmp_path / "q").problems == []
+    path = tmp_path / "q" / "model-expert-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
+    problems = verify_checkpoint(tmp_path / "q").problems
+    assert problems and all(p.startswith("model-expert-00001.safetensors") for p in problems), problems
 
 
 def test_save_refuses_an_unquantized_model(tmp_path):
