@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
                           "(with --offload-experts)")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    generate.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                          help="weights' dtype: auto (as saved), fp32, or bf16 (half the bytes per decoded token; "
+                          "docs/serving-cpu.md)")
+    generate.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
+                          help="static: a static KV cache, and the decode step compiled once (pays off over many "
+                          "tokens: the first call compiles; docs/serving-cpu.md)")
     plan = sub.add_parser("plan", help="memory per GPU of the expert-parallel x FSDP2 layouts: will it fit?")
     plan.add_argument("model", metavar="MODEL_OR_CONFIG", help="a saved model directory, a config.json, or a Hub id; "
                       "an hf_moe model, or a dense one with --num-experts and --top-k (planned as if upcycled)")

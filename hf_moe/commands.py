@@ -148,6 +148,7 @@ def _generate(args) -> None:
 
     offload = args.offload_experts is not None or args.max_expert_memory is not None
     options = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory) if offload else {}
+    options["dtype"] = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     start = time.perf_counter()
     with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
         model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
@@ -161,7 +162,9 @@ def _generate(args) -> None:
     timer = GenerationTimer(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
-        model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=timer, pad_token_id=pad)
+        cache = {"cache_implementation": "static"} if args.cache_implementation == "static" else {}
+        model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False, streamer=timer, pad_token_id=pad,
+                       **cache)
     prompt_tokens = inputs["input_ids"].shape[1]
     print(
         f"{timer.new_tokens} tokens: prefill {prompt_tokens / timer.prefill_s:.1f} tok/s ({prompt_tokens} prompt "

@@ -108,6 +108,14 @@ def attn_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+def compile_on_every_device(compile_config):
+    """Let `generate` compile its decode step on CPU too. transformers compiles it automatically (static cache)
+    only on accelerators, unless the `CompileConfig` carries the private flag `_compile_all_devices` (what its own
+    compile tests set; 5.17 to 5.23). Returns the config."""
+    compile_config._compile_all_devices = True
+    return compile_config
+
+
 # --------------------------------------------------------------------------------------------------------------
 # transformers.Trainer: the conventions and private methods MoETrainer relies on (Trainer is imported on use: it is
 # slow to import, and `import hf_moe` must not pay for it)

@@ -41,6 +41,7 @@ from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
 from .configuration import MoEConfig, _base_config_class, moe_config_class
+from .generation import prepare_generate_kwargs
 from .layers import SparseMoeBlock
 from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
@@ -409,7 +410,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,
         so a rank that has finished must keep running forwards until all have: `synced_gpus` defaults to True
-        there, as transformers does for ZeRO-3 and FSDP."""
+        there, as transformers does for ZeRO-3 and FSDP. With a static cache (`cache_implementation="static"`)
+        the decode step is compiled once, on CPU too (`hf_moe.generation`)."""
+        kwargs = prepare_generate_kwargs(self, args, kwargs)
         if getattr(self, "expert_parallel_plan", None) is not None:
             call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
             if call.arguments.get("synced_gpus") is None:

@@ -18,7 +18,11 @@ class OffloadedExperts(nn.Module):
         hidden_states [N, H], top_k_index [N, k], top_k_weights [N, k] -> [N, H]
 
     Inference only: the cache's slots are overwritten as other layers run, so there are no weights to train.
+    Not compilable (`supports_compile`): which experts to read is decided on the host, between the router and the
+    experts, so `hf_moe.generation` leaves a model holding these to eager decoding.
     """
+
+    supports_compile = False
 
     def __init__(self, config):
         super().__init__()

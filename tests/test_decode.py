@@ -1,0 +1,265 @@
+"""The fast decode path (hf_moe/generation.py): a static KV cache and the decode step compiled once, on CPU.
+
+- an hf_moe model switches to it with `cache_implementation="static"` alone (generate, pipeline), gives the eager
+  path's greedy tokens, and never recompiles between decode steps or between calls (fail_on_recompile);
+- transformers' own two compile tests of `generate` (tests/generation/test_utils.py, GenerationTesterMixin:
+  `test_generate_compile_model_forward_fullgraph` and `test_generate_compilation_all_outputs`), ported here as
+  they are written there, run on a tiny Mixtral with `experts_implementation="hf_moe"`: the transformers 5.23 sdist
+  ships neither tests/generation/ nor tests/models/, and the ported code is theirs but for the model it builds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, GenerationConfig, pipeline
+from transformers.generation import GenerateDecoderOnlyOutput
+
+import hf_moe
+from hf_moe.generation import (
+    MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
+)
+
+from conftest import VOCAB, random_ids, tiny_dense, tiny_tokenizer
+
+
+def converted(seed: int = 0):
+    torch.manual_seed(seed)
+    return hf_moe.convert_to_moe(tiny_dense(seed=seed), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
+
+
+def greedy(model, ids, new_tokens, **kwargs):
+    mask = torch.ones_like(ids)
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                          **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------- the switch
+def test_prepare_generate_kwargs_fills_in_the_compiled_decode_only_for_a_static_cache():
+    moe = converted()
+    ids = random_ids(1, 12)
+    prepare = lambda **kw: prepare_generate_kwargs(moe, (), kw)  # noqa: E731
+    assert prepare(input_ids=ids, max_new_tokens=3) == {"input_ids": ids, "max_new_tokens": 3}  # dynamic: unchanged
+    filled = prepare(input_ids=ids, max_new_tokens=3, cache_implementation="static")
+    assert filled["max_cache_len"] == MIN_CACHE_LEN
+    assert filled["compile_config"] == decode_compile_config() and filled["compile_config"]._compile_all_devices
+    assert filled["compile_config"].fullgraph and filled["compile_config"].dynamic is False
+    # The cache holds the call's need rounded up to a power of two; the prompt may be positional.
+    assert prepare_generate_kwargs(moe, (random_ids(1, 300),), {"max_new_tokens": 20, "cache_implementation": "static"})[
+        "max_cache_len"] == 512
+    assert [cache_length(n) for n in (1, 256, 257, 1000, 1025)] == [256, 256, 512, 1024, 2048]
+    # The caller's own choices win, wherever they are made.
+    mine = CompileConfig(fullgraph=False)
+    kept = prepare(cache_implementation="static", compile_config=mine, max_cache_len=64)
+    assert kept["compile_config"] is mine and kept["max_cache_len"] == 64
+    via_config = prepare(input_ids=ids, generation_config=GenerationConfig(cache_implementation="static", max_new_tokens=5))
+    assert via_config["max_cache_len"] == MIN_CACHE_LEN
+    moe.generation_config.cache_implementation = "static"  # saved with the model: generate and pipeline use it
+    assert "compile_config" in prepare(input_ids=ids)
+    assert prepare(cache_implementation="dynamic") == {"cache_implementation": "dynamic"}
+
+
+def test_offloaded_experts_are_left_to_eager_decoding(tmp_path):
+    """The expert cache decides on the host what to read: a static cache asked of an offloaded model decodes
+    eagerly (nothing compiled), with the fully loaded model's greedy tokens."""
+    moe = converted()
+    moe.save_pretrained(tmp_path / "moe")
+    model = hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "moe", offload_experts="disk", max_expert_memory="1MiB")
+    assert prepare_generate_kwargs(model, (), {"cache_implementation": "static"}) == {"cache_implementation": "static"}
+    ids = random_ids(1, 10)
+    out = greedy(model, ids, 5, cache_implementation="static")
+    assert torch.equal(out.sequences, greedy(moe, ids, 5).sequences) and not hasattr(model, "_compiled_call")
+
+
+# ---------------------------------------------------------------------------------- compiled once, hf_moe models
+class RecompileLog(logging.Handler):
+    """transformers' test catches recompilations in the `torch._dynamo.guards` log; so does this."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        torch._logging.set_logs(recompiles_verbose=True)
+        logging.getLogger("torch._dynamo.guards").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("torch._dynamo.guards").removeHandler(self)
+        torch._logging.set_logs()
+
+    @property
+    def recompiled(self) -> bool:
+        text = "\n".join(self.lines)
+        return "Recompiling" in text or ("guard" in text and "failure" in text)
+
+
+@pytest.mark.slow
+def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
+    """A converted model's decode step is compiled on the first call, then reused: by every decode step, by calls
+    with other prompts, prompt lengths and numbers of new tokens, and by `pipeline`; greedy tokens equal the eager
+    path's. `fail_on_recompile` turns any recompilation into an error, the log check is transformers' own."""
+    torch.compiler.reset()
+    moe = converted()
+    tokenizer = tiny_tokenizer()
+    calls = [(random_ids(1, 12, seed=1), 6), (random_ids(1, 5, seed=2), 9), (random_ids(1, 30, seed=3), 4)]
+    with torch.compiler.set_stance("force_eager"):
+        eager = [greedy(moe, ids, n) for ids, n in calls]
+    with RecompileLog() as log:
+        fast = [greedy(moe, *calls[0], cache_implementation="static")]  # compiles, then reuses for every step
+        assert hasattr(moe, "_compiled_call")  # transformers' auto-compile ran, on CPU
+        with torch.compiler.set_stance("fail_on_recompile"):  # from here on, any compilation raises
+            fast += [greedy(moe, ids, n, cache_implementation="static") for ids, n in calls[1:]]
+            generate = pipeline("text-generation", model=moe, tokenizer=tokenizer)
+            piped = generate("the fox", max_new_tokens=5, do_sample=False, cache_implementation="static",
+                             return_full_text=False)[0]["generated_text"]
+    assert not log.recompiled, "\n".join(log.lines)
+    for (ids, n), a, b in zip(calls, eager, fast):
+        assert torch.equal(a.sequences, b.sequences)
+        torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-4, rtol=1e-4)
+        assert b.past_key_values.is_compileable and b.past_key_values.layers[0].keys.shape[2] == MIN_CACHE_LEN
+    with torch.compiler.set_stance("force_eager"):
+        assert piped == generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False)[0][
+            "generated_text"]
+
+
+@pytest.mark.slow
+def test_a_longer_call_compiles_once_for_the_next_power_of_two():
+    """A call past the cache's length compiles once more, for a cache of the next power of two (512); every call
+    after it, shorter ones included, reuses that graph."""
+    torch.compiler.reset()
+    moe = converted()
+    greedy(moe, random_ids(1, 10, seed=9), 3, cache_implementation="static")  # compiles for 256 positions
+    with RecompileLog() as log:
+        long = greedy(moe, random_ids(1, 250, seed=10), 10, cache_implementation="static")
+    assert log.recompiled and long.past_key_values.layers[0].keys.shape[2] == 512
+    with RecompileLog() as log, torch.compiler.set_stance("fail_on_recompile"):
+        short = greedy(moe, random_ids(1, 10, seed=11), 3, cache_implementation="static")
+    assert not log.recompiled and short.past_key_values.layers[0].keys.shape[2] == 512
+
+
+@pytest.mark.slow
+def test_bf16_model_decodes_compiled():
+    torch.compiler.reset()
+    moe = converted().to(torch.bfloat16)
+    ids = random_ids(1, 10, seed=4)
+    with torch.compiler.set_stance("force_eager"):
+        eager = greedy(moe, ids, 5)
+    with RecompileLog() as log:
+        fast = greedy(moe, ids, 5, cache_implementation="static")
+        again = greedy(moe, random_ids(1, 7, seed=5), 5, cache_implementation="static")
+    assert not log.recompiled, "\n".join(log.lines)
+    assert again.sequences.shape == (1, 12)
+    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
+
+
+# ------------------------------------------------ transformers' two compile tests, on Mixtral with hf_moe experts
+def tiny_mixtral():
+    """A tiny Mixtral (as transformers' MixtralModelTester builds it: 2 layers, 4 experts, top-2) with
+    experts_implementation="hf_moe"."""
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    config._experts_implementation = "hf_moe"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._experts_implementation == "hf_moe"
+    return model
+
+
+def _assert_similar_generate_outputs(a, b, atol, rtol):
+    """transformers' `assert_similar_generate_outputs`: same sequences, or the scores up to the first mismatch close."""
+    if torch.equal(a.sequences, b.sequences):
+        return
+    start = a.sequences.shape[1] - len(a.scores)
+    for row in range(a.sequences.shape[0]):
+        same = a.sequences[row] == b.sequences[row]
+        if same.all():
+            continue
+        first = int(same.int().argmin()) - start
+        torch.testing.assert_close(a.scores[first][row], b.scores[first][row], atol=atol, rtol=rtol)
+
+
+@pytest.mark.slow
+def test_mixtral_with_hf_moe_experts_generate_compile_model_forward_fullgraph():
+    """transformers' `test_generate_compile_model_forward_fullgraph`: two generations with different inputs of the same
+    shape, eager + dynamic cache, then static cache compiled with fullgraph=True, dynamic=False; no recompilation, and
+    similar outputs (atol = rtol = 1e-3 for MoE models, as there)."""
+    model = tiny_mixtral()
+    inputs = [{"input_ids": random_ids(2, 7, seed=s), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+              for s in (6, 7)]
+    torch.compiler.reset()
+    compile_config = CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    kwargs = dict(use_cache=True, do_sample=False, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
+                  compile_config=compile_config)
+    with torch.compiler.set_stance("force_eager"):
+        dynamic = [model.generate(**x, **kwargs) for x in inputs]
+    assert not hasattr(model, "_compiled_call")
+    kwargs["cache_implementation"] = "static"
+    with RecompileLog() as log:
+        compiled = []
+        for x in inputs:
+            out = model.generate(**x, **kwargs)
+            assert out.past_key_values.is_compileable and hasattr(model, "_compiled_call")
+            compiled.append(out)
+    assert not log.recompiled, "\n".join(log.lines)
+    for a, b in zip(dynamic, compiled):
+        _assert_similar_generate_outputs(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_mixtral_with_hf_moe_experts_generate_compilation_all_outputs():
+    """transformers' `test_generate_compilation_all_outputs`: greedy generate with every optional output (eager
+    attention, to output attentions) under automatic compilation; the outputs have the right types and lengths."""
+    model = tiny_mixtral()
+    model.config._attn_implementation = "eager"
+    torch.compiler.reset()
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    model.generation_config.compile_config = compile_config
+    model.generation_config.cache_implementation = "static"
+    ids = random_ids(2, 7, seed=8)
+    new = 3
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                         max_new_tokens=new, min_new_tokens=new, output_attentions=True, output_hidden_states=True,
+                         output_scores=True, output_logits=True, return_dict_in_generate=True, use_cache=True,
+                         bad_words_ids=[[1, 0]], repetition_penalty=1.2, remove_invalid_values=True)
+    assert hasattr(model, "_compiled_call")
+    assert isinstance(out, GenerateDecoderOnlyOutput) and out.sequences.shape == (2, 7 + new)
+    assert len(out.scores) == len(out.logits) == len(out.attentions) == len(out.hidden_states) == new
+    layers = model.config.num_hidden_layers
+    assert all(len(step) == layers for step in out.attentions) and all(len(s) == layers + 1 for s in out.hidden_states)
+
+
+def test_fast_decode_kwargs_are_transformers_generate_arguments():
+    kwargs = fast_decode_kwargs(max_cache_len=512)
+    config = GenerationConfig(**{k: v for k, v in kwargs.items()})
+    assert config.cache_implementation == "static" and config.max_cache_len == 512
+    config.validate()
+
+
+# -------------------------------------------------------------------------------------------------- hf-moe generate
+def test_cli_generate_with_a_static_cache_streams_the_default_paths_tokens(tmp_path, capsys):
+    """`hf-moe generate --cache-implementation static` (the compiled decode step) and `--dtype fp32` stream what the
+    default path streams."""
+    from hf_moe.cli import main
+
+    converted().save_pretrained(tmp_path / "moe")
+    tiny_tokenizer().save_pretrained(tmp_path / "moe")
+    texts = []
+    for extra in ([], ["--cache-implementation", "static", "--dtype", "fp32"]):
+        code = main(["generate", str(tmp_path / "moe"), "the quick", "--max-new-tokens", "6", *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "decode" in err and "tok/s" in err
+        texts.append(out.strip())
+    assert texts[0] and texts[0] == texts[1]
