@@ -103,9 +103,12 @@ class QuantizedExperts(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """{name: weight} with each int8 weight as q * scale in `dtype` ([E, W, H] and [E, H, I])."""
-        return {n: dequantize_int8(getattr(self, n), getattr(self, f"{n}_scale"), dtype) for n in (self.up_name, "down_proj")}
+        names = (self.up_name, "down_proj")
+        return {n: dequantize_int8(getattr(self, n), getattr(self, f"{n}_scale"), dtype) for n in names}
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         x = hidden_states.contiguous()
         weights = top_k_weights.to(x.dtype)
         b1, b2 = getattr(self, f"{self.up_name}_bias"), self.down_proj_bias
