@@ -20,13 +20,16 @@ from .version import __version__
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
 
 # Loaded on first use, not with `import hf_moe`: the training classes import transformers.Trainer, merging reads
-# YAML, adapters need PEFT.
+# YAML, adapters need PEFT, int8 experts their kernels.
 _LAZY = {
     "MoETrainer": "hf_moe.training.trainer",
     "MoEMonitorCallback": "hf_moe.training.monitor",
     "merge_to_moe": "hf_moe.convert.merge",
     "convert_adapter": "hf_moe.convert.lora",
     "AdapterConversionError": "hf_moe.convert.lora",
+    "quantize_experts": "hf_moe.quantize",
+    "save_quantized": "hf_moe.quantize",
+    "load_quantized": "hf_moe.quantize",
 }
 
 
@@ -65,7 +68,10 @@ __all__ = [
     "parallelize",
     "export_native",
     "load_balancing_loss",
+    "load_quantized",
     "merge_to_moe",
+    "quantize_experts",
     "register_router",
     "router_z_loss",
+    "save_quantized",
 ]

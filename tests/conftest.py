@@ -88,12 +88,15 @@ class _Logits(torch.nn.Module):
 
 def logits_of_a_tiny_moe(which: str) -> torch.nn.Module:
     """A tiny MoE model for the export tests, in eval mode, as `input_ids -> logits`: "converted" (a Llama upcycled
-    to 4 experts, with noise so the experts differ) or "native_mixtral" (transformers' Mixtral on hf_moe's experts)."""
+    to 4 experts, with noise so the experts differ), "quantized" (the same with int8 experts) or "native_mixtral"
+    (transformers' Mixtral on hf_moe's experts)."""
     import hf_moe
 
     torch.manual_seed(0)
-    if which == "converted":
+    if which in ("converted", "quantized"):
         model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05)
+        if which == "quantized":
+            hf_moe.quantize_experts(model, "int8")
     else:
         config = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,

@@ -10,8 +10,8 @@ load and verify. Each module does one of these; this package re-exports what the
     commit.py      staging, locks, the atomic swap, recovery from killed writers
     save.py        `save_checkpoint`
     checks.py      the checks before load
-    load.py        `validate_checkpoint`, the views of a directory for expert-parallel and offloaded loads,
-                   `load_checkpoint`
+    load.py        `validate_checkpoint` (`validate_files`: its checks that need no model), the views of a directory
+                   for expert-parallel and offloaded loads, `load_checkpoint`
     verify.py      `verify_checkpoint` (`hf-moe verify`), `record_config_files` (`hf-moe verify --update`)
 """
 
@@ -28,7 +28,9 @@ from .format import (
 from .guard import checkpoint_file, copy_files, open_file, read_bytes, read_json, stays_inside
 from .headers import read_safetensors_header
 from .layout import checkpoint_state_dict, split_experts
-from .load import load_checkpoint, load_tokenizer, local_expert_view, missing_keys_error, validate_checkpoint
+from .load import (
+    load_checkpoint, load_tokenizer, local_expert_view, missing_keys_error, validate_checkpoint, validate_files,
+)
 from .save import save_checkpoint
 from .snapshot import reading
 from .verify import VerifyReport, record_config_files, verify_checkpoint
@@ -42,5 +44,5 @@ __all__ = [
     "local_expert_view", "missing_keys_error", "open_file", "read_bytes", "read_index", "read_json",
     "read_safetensors_header", "reading", "record_config_files", "recorded_checksums", "recover_interrupted_commit",
     "resolve_output_directory", "same_directory", "save_checkpoint", "split_experts", "staging_directory",
-    "stays_inside", "validate_checkpoint", "verify_checkpoint",
+    "stays_inside", "validate_checkpoint", "validate_files", "verify_checkpoint",
 ]

@@ -73,6 +73,25 @@ def validate_checkpoint(
     check_routers(directory, weight_map, expected, moe_config)  # (after: damage is named as damage, not as NaN)
 
 
+def validate_files(directory: str | os.PathLike, *, verify_checksums: bool | None = False) -> None:
+    """The checks of `validate_checkpoint` that build no model from the config, for a checkpoint whose tensors the
+    config's model does not hold (int8 experts, `hf_moe.quantize`; their caller checks those tensors): restores a
+    model that a killed save left hidden; the config's format; the index; every weight file's name, size, header
+    and header checksum; the config files against their checksums; and, as `verify_checksums` says (see
+    `validate_checkpoint`), every file's data. Raises `CheckpointError` (or `FileNotFoundError`)."""
+    directory = Path(directory)
+    recover_interrupted_commit(directory)
+    read_config(directory)
+    weight_map, metadata = read_index(directory)
+    checksums = recorded_checksums(metadata)
+    check_files(directory, weight_map, checksums)
+    check_generation_config(directory)
+    problems = config_problems(directory, checksums)
+    if problems:
+        raise config_changed_error(directory, problems)
+    verify_data(directory, checksums, sorted(set(weight_map.values())), verify_checksums)
+
+
 @contextlib.contextmanager
 def local_expert_view(directory: str | os.PathLike, start: int, end: int, verify_checksums: bool | None = False):
     """A temporary directory that looks like `directory` but lists only the non-expert tensors and experts

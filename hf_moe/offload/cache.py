@@ -27,12 +27,35 @@ from typing import Sequence
 import torch
 from transformers.activations import ACT2FN
 
+from ..layers.quantized import QuantizedExperts
+from ..ops import experts_forward
 from .budget import expert_slots
 from .fetch import CudaStreamFetcher, ThreadFetcher
 from .policy import DEFAULT_POLICY, CachePolicy, make_policy
 from .slots import SlotTable
 from .stats import CacheStats
 from .store import DiskExperts, ExpertLayout
+
+
+def pool_experts(layout: ExpertLayout, pool: dict[str, torch.Tensor]):
+    """The pool seen as the experts module of S experts that computes with it: `PoolExperts` (floating point), or a
+    `QuantizedExperts` whose buffers are the pool's tensors (int8 experts)."""
+    if not layout.dtypes:
+        return PoolExperts(layout, pool)
+    slots = next(iter(pool.values())).shape[0]
+    h, i = layout.shapes["down_proj"]
+    with torch.device("meta"):  # no memory: the buffers are the pool's
+        experts = QuantizedExperts(slots, h, i, layout.glu, layout.bias, layout.activation, layout.group_size)
+    for name, tensor in pool.items():
+        experts._buffers[name] = tensor
+    return experts
+
+
+def compute(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """[N, H] through the pool's experts (`pool_experts`), top_k_index [N, k] holding slots (-1: not this pass)."""
+    if isinstance(experts, QuantizedExperts):
+        return experts(hidden_states, top_k_index, top_k_weights)
+    return experts_forward(experts, hidden_states, top_k_index, top_k_weights)
 
 
 class PoolExperts:
@@ -127,9 +150,10 @@ class ExpertCache:
         self.device, self.dtype = device, dtype
         self.prefetch = device.type == "cuda" if self.prefetch_setting is None else self.prefetch_setting
         self.pool = {
-            name: torch.empty((slots, *shape), dtype=dtype, device=device) for name, shape in self.layout.shapes.items()
+            name: torch.empty((slots, *shape), dtype=self.layout.dtype_of(name, dtype), device=device)
+            for name, shape in self.layout.shapes.items()
         }
-        self.pool_experts = PoolExperts(self.layout, self.pool)
+        self.pool_experts = pool_experts(self.layout, self.pool)
         self.table = SlotTable(slots, self.policy)
         self._locked: set[int] = set()  # slots the running layer computes with
         self._pinned_for: dict[int, set[int]] = {}  # layer -> slots kept for it (predicted), until it runs

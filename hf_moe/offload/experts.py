@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..ops import experts_forward
+from .cache import compute
 
 
 class OffloadedExperts(nn.Module):
@@ -65,7 +65,7 @@ class OffloadedExperts(nn.Module):
             remap = cache.acquire(self.layer, chunk, ahead if len(passes) == 1 else None)
             try:
                 slot_index = torch.where(top_k_index >= 0, remap[top_k_index.clamp_min(0)], -1)
-                part = experts_forward(cache.pool_experts, hidden_states, slot_index, top_k_weights)
+                part = compute(cache.pool_experts, hidden_states, slot_index, top_k_weights)
             finally:
                 cache.release()
             # Each (token, slot) pair is computed in exactly one pass, the others adding zero: with k <= 2, fp32

@@ -13,8 +13,11 @@ import os
 
 import torch
 
-from ..checkpoint import checkpoint_config, local_expert_view, reading, validate_checkpoint
+from ..checkpoint import (
+    checkpoint_config, local_expert_view, reading, recover_interrupted_commit, validate_checkpoint, validate_files,
+)
 from ..configuration import MoEConfig
+from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from ..routing import moe_blocks
 from .budget import expert_slots, format_size, parse_memory_size
 from .cache import ExpertCache
@@ -92,10 +95,15 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
             "Download the model first (`hf download REPO --local-dir DIR`)."
         )
     with reading(directory):  # what is validated, opened and loaded is one checkpoint: a save into it waits
-        validate_checkpoint(directory)
+        recover_interrupted_commit(directory)  # (before the config is read: a killed save may have hidden it)
+        saved = checkpoint_config(directory)
+        if getattr(saved, QUANTIZATION_FIELD, None) is None:
+            validate_checkpoint(directory)
+        else:  # int8 experts (hf_moe.quantize): DiskExperts checks their header entries below, transformers the rest
+            validate_files(directory)
         config = kwargs.pop("config", None)
         if not isinstance(config, MoEConfig):
-            config = checkpoint_config(directory)
+            config = saved
         layout = ExpertLayout.from_config(config)
         disk = DiskExperts(directory, layout, verify_checksums)  # opens every expert file; checks every header entry
         # Fail on a bad budget before loading anything (the dtype is the checkpoint's unless `dtype` says otherwise).

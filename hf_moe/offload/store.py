@@ -11,7 +11,7 @@ import io
 import math
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from ..checkpoint import (
 )
 from ..checkpoint.guard import open_fd
 from ..checkpoint.headers import header_of
+from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class ExpertLayout:
     glu: bool
     bias: bool
     activation: str
+    # Tensors whose dtype is fixed whatever the model's: int8 experts' weights (int8) and scales (fp32), saved by
+    # hf_moe.quantize.save_quantized (config `expert_quantization`). Empty for floating-point experts.
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    group_size: int | None = None  # int8 scales per group of this many inputs (None: per output channel)
 
     @classmethod
     def from_config(cls, config) -> ExpertLayout:
@@ -47,14 +52,30 @@ class ExpertLayout:
         up = "gate_up_proj" if config.expert_glu else "up_proj"
         rows = 2 * i if config.expert_glu else i
         shapes = {up: (rows, h), "down_proj": (h, i)}
+        dtypes, group = {}, None
+        quantization = getattr(config, QUANTIZATION_FIELD, None)
+        if quantization is not None:
+            if not isinstance(quantization, dict) or quantization.get("quant_method") != "int8":
+                raise CheckpointError(f"config.json's {QUANTIZATION_FIELD}={quantization!r} is not one hf_moe "
+                                      "offloads (int8); load the model without offload_experts.")
+            group = quantization.get("group_size")
+            for name, (out, k) in list(shapes.items()):
+                shapes[f"{name}_scale"] = (out,) if group is None else (out, k // group)
+                dtypes.update({name: torch.int8, f"{name}_scale": torch.float32})
         if config.expert_bias:
             shapes.update({f"{up}_bias": (rows,), "down_proj_bias": (h,)})
         # The same key layout as checkpoint.expected_expert_keys.
-        prefixes = tuple(f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers)
+        prefixes = tuple(
+            f"{config.decoder_layers_path}.{layer}.{config.moe_block_path}.experts" for layer in config.moe_layers
+        )
         return cls(
             shapes, prefixes, config.num_experts, config.num_experts_per_tok, config.expert_glu, config.expert_bias,
-            config.expert_hidden_act,
+            config.expert_hidden_act, dtypes, group,
         )
+
+    def dtype_of(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype tensor `name` has in a model of floating dtype `dtype`."""
+        return self.dtypes.get(name, dtype)
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +85,7 @@ class ExpertLayout:
         return sum(math.prod(s) for s in self.shapes.values())
 
     def expert_bytes(self, dtype: torch.dtype) -> int:
-        return self.expert_numel() * dtype.itemsize
+        return sum(math.prod(shape) * self.dtype_of(name, dtype).itemsize for name, shape in self.shapes.items())
 
     def key(self, layer: int, expert: int, name: str) -> str:
         return f"{self.prefixes[layer]}.{expert}.{name}"
@@ -129,14 +150,16 @@ class DiskExperts:
                         headers[filename] = (header, len(raw))
                     header, data_start = headers[filename]
                     self._spans[layer, expert, name] = _check_entry(
-                        filename, self._fds[filename], key, header.get(key), shape, data_start
+                        filename, self._fds[filename], key, header.get(key), shape, data_start, layout.dtypes.get(name)
                     )
                     if self._hash is not None:
                         self._digests[layer, expert, name] = _recorded_digest(checksums, filename, key)
 
     def dtype(self) -> torch.dtype:
-        """The dtype the experts are stored in (the first expert's)."""
-        return next(iter(self._spans.values())).dtype
+        """The floating dtype the experts are stored in (the first expert's; float32 when every tensor of an expert
+        has a fixed dtype, as int8 experts without biases)."""
+        return next((span.dtype for (_, _, name), span in self._spans.items() if name not in self.layout.dtypes),
+                    torch.float32)
 
     def read_into(self, layer: int, expert: int, dst: dict[str, torch.Tensor]) -> int:
         """Fill `dst` with the expert's tensors (converting dtype if they differ). Returns the bytes read."""
@@ -203,8 +226,10 @@ def _close_all(fds: dict[str, int]) -> None:
     fds.clear()
 
 
-def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...], data_start: int) -> _Span:
-    """The byte range of one expert tensor, after checking its header entry against what the config implies."""
+def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...], data_start: int,
+                 fixed: torch.dtype | None = None) -> _Span:
+    """The byte range of one expert tensor, after checking its header entry against what the config implies
+    (`fixed`: the dtype it must have, for int8 experts' weights and scales; else any floating-point dtype)."""
 
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{filename} is corrupt or from another model: {key} {what}. Save the model again.")
@@ -212,7 +237,9 @@ def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...],
     if not isinstance(meta, dict):
         raise bad("is not in its header")
     dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
-    if dtype is None or not dtype.is_floating_point:
+    if fixed is not None and dtype != fixed:
+        raise bad(f"has dtype {meta.get('dtype')!r}, but config.json's {QUANTIZATION_FIELD} makes it {fixed}")
+    if dtype is None or not (dtype.is_floating_point or dtype == fixed):
         raise bad(f"has dtype {meta.get('dtype')!r}, not a floating-point type")
     if list(meta.get("shape", ())) != list(shape):
         raise bad(f"has shape {meta.get('shape')}, but the config implies {list(shape)}")
@@ -222,7 +249,7 @@ def _check_entry(filename: str, fd: int, key: str, meta, shape: tuple[int, ...],
         or not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize
     ):
         raise bad(f"has data_offsets {offsets}, which do not span {math.prod(shape)} {meta['dtype']} values")
-    # read_safetensors_header checked that the file holds every declared byte.
+    # header_of checked that the file holds every declared byte.
     return _Span(fd, filename, data_start + offsets[0], offsets[1] - offsets[0], dtype)
 
 
@@ -234,7 +261,8 @@ class HostExperts:
         layout = self.layout = disk.layout
         self.directory = disk.directory
         self.tensors = {
-            name: torch.empty((layout.num_layers, layout.num_experts, *shape), dtype=dtype, pin_memory=pin)
+            name: torch.empty((layout.num_layers, layout.num_experts, *shape), dtype=layout.dtype_of(name, dtype),
+                              pin_memory=pin)
             for name, shape in layout.shapes.items()
         }
         keys = [(layer, e) for layer in range(layout.num_layers) for e in range(layout.num_experts)]
@@ -242,7 +270,7 @@ class HostExperts:
             disk.read_into(layer, e, {name: t[layer, e] for name, t in self.tensors.items()})
 
     def dtype(self) -> torch.dtype:
-        return next(iter(self.tensors.values())).dtype
+        return next((t.dtype for n, t in self.tensors.items() if n not in self.layout.dtypes), torch.float32)
 
     def read_into(self, layer: int, expert: int, dst: dict[str, torch.Tensor]) -> int:
         total = 0

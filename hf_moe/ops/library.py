@@ -27,6 +27,8 @@ from .reference import (
 from .autograd import register_composable, register_experts
 from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
 from .extension import backend_setting, load_extension
+from .infer import infer_fake
+from .int8 import dequantize_int8
 from .triton import ops as triton_ops  # noqa: F401  (defines the hf_moe_triton ops)
 
 NAMESPACE = "hf_moe"
@@ -50,7 +52,28 @@ SCHEMAS = {
                             "Tensor slot_to_row, Tensor tokens_per_expert, Tensor row_weight, Tensor w1, Tensor? b1, "
                             "Tensor w2, Tensor? b2, str activation, bool glu, bool need_x, bool need_weights, "
                             "bool need_params) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    # Inference only (infer.py; its CPU kernel is csrc/cpu/serve_cpu.cpp): w1 [E, W, H], w2 [E, H, I] fp32, bf16 or
+    # int8 with fp32 scales [E, out] or [E, out, groups]; returns [N, H]. kernels: "auto" or "portable" (tests).
+    "moe_experts_infer": "(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, Tensor w1, "
+                         "Tensor? w1_scale, Tensor? b1, Tensor w2, Tensor? w2_scale, Tensor? b2, str activation, "
+                         "bool glu, str kernels=\"auto\") -> Tensor",
 }
+
+
+def reference_infer(x, top_k_index, top_k_weights, w1, w1_scale, b1, w2, w2_scale, b2, activation, glu,
+                    kernels="auto"):
+    """`hf_moe::moe_experts_infer` in pure torch: int8 weights dequantized to the activations' dtype (the kernel's
+    reference, int8.py), then `moe_experts_forward`'s reference. [N, H] -> [N, H]."""
+    def weight(w, scale):
+        return dequantize_int8(w, scale, x.dtype) if w.dtype == torch.int8 else w.to(x.dtype)
+
+    b1 = None if b1 is None else b1.to(x.dtype)
+    b2 = None if b2 is None else b2.to(x.dtype)
+    out = reference_forward(x, top_k_index, top_k_weights, weight(w1, w1_scale), b1, weight(w2, w2_scale), b2,
+                            activation, glu, False)
+    return out[0]
+
+
 TORCH_KERNELS = {
     "sort_by_expert": sort_by_expert,
     "permute": permute,
@@ -61,6 +84,7 @@ TORCH_KERNELS = {
     "expert_act_backward": expert_act_backward,
     "moe_experts_forward": reference_forward,
     "moe_experts_backward": reference_backward,
+    "moe_experts_infer": reference_infer,
 }
 
 # A FRAGMENT, so the C++ extension's registrations (TORCH_LIBRARY_IMPL, csrc/) add to it in any order.
@@ -129,6 +153,7 @@ def _register_fake_kernels() -> None:
 
     torch.library.register_fake(lib + "moe_experts_forward", fused_forward_fake, lib=_LIB)
     torch.library.register_fake(lib + "moe_experts_backward", fused_backward_fake, lib=_LIB)
+    torch.library.register_fake(lib + "moe_experts_infer", infer_fake, lib=_LIB)
 
 
 for _name, _schema in SCHEMAS.items():

@@ -1,0 +1,651 @@
+// Inner kernels of the inference experts op: portable C++, and AVX-512 (F, BW, VL, DQ, BF16) compiled for that
+// target function by function (no global -mavx512 flag), used only where the CPU reports the instructions.
+// See serve_kernels.h for what each kernel computes.
+//
+// The AVX-512 functions live in an anonymous namespace and use only intrinsics and raw pointers: nothing compiled
+// for AVX-512 can be merged by the linker with a copy that a non-AVX-512 caller would run.
+
+#include "serve_kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+namespace hf_moe {
+namespace serve {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable C++: the same results up to the order of the fp32 additions.
+// ---------------------------------------------------------------------------------------------------------------
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float act_scalar(float g, Activation act) {
+  switch (act) {
+    case Activation::Silu: return g / (1.0f + std::exp(-g));
+    case Activation::Gelu: return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f));
+    case Activation::GeluTanh: {
+      const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      return 0.5f * g * (1.0f + std::tanh(y));
+    }
+    case Activation::Relu: return g > 0.0f ? g : 0.0f;
+    case Activation::Relu2: return g > 0.0f ? g * g : 0.0f;
+  }
+  return g;
+}
+
+template <typename T, typename Load>
+void dot_portable(const T* x, int64_t ldx, int64_t rows, const T* w, int64_t ldw, int cols, int64_t k, float* out,
+                  int64_t ldo, Load load) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      const T* xr = x + m * ldx;
+      const T* wr = w + j * ldw;
+      for (int64_t c = 0; c < k; ++c) acc += load(xr[c]) * load(wr[c]);
+      out[m * ldo + j] = acc;
+    }
+  }
+}
+
+void dot_f32_portable(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int cols, int64_t k,
+                      float* out, int64_t ldo) {
+  dot_portable(x, ldx, rows, w, ldw, cols, k, out, ldo, [](float v) { return v; });
+}
+
+void dot_bf16_portable(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t ldw, int cols,
+                       int64_t k, float* out, int64_t ldo) {
+  dot_portable(x, ldx, rows, w, ldw, cols, k, out, ldo, bf16_bits_to_float);
+}
+
+void dot_q8_portable(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq, const float* scale,
+                     int64_t ld_scale, int64_t group, int cols, int64_t k, float* out, int64_t ldo) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int j = 0; j < cols; ++j) {
+      float acc = 0.0f;
+      for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const float s = scale[j * ld_scale + g0 / group];
+        for (int64_t c = g0; c < std::min(k, g0 + group); ++c)
+          acc += x[m * ldx + c] * (static_cast<float>(q[j * ldq + c]) * s);
+      }
+      out[m * ldo + j] = acc;
+    }
+}
+
+void dequant_f32_portable(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group, int cols,
+                          int64_t k, float* dst) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const float s = scale[j * ld_scale + g0 / group];
+      for (int64_t c = g0; c < std::min(k, g0 + group); ++c) dst[j * k + c] = static_cast<float>(q[j * ldq + c]) * s;
+    }
+}
+
+void dequant_bf16_portable(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
+                           int cols, int64_t k, uint16_t* dst) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const float s = scale[j * ld_scale + g0 / group];
+      for (int64_t c = g0; c < std::min(k, g0 + group); ++c)
+        dst[j * k + c] = float_to_bf16_bits(static_cast<float>(q[j * ldq + c]) * s);
+    }
+}
+
+void to_bf16_portable(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16_bits(src[i]);
+}
+
+void activate_portable(const float* g, const float* u, float scale, int64_t n, Activation act, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = act_scalar(g[i], act) * (u ? u[i] : 1.0f) * scale;
+}
+
+void gemm_f32_portable(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
+                       int64_t k, float* out, int64_t ldo) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < k; ++c) acc += w[j * ldw + c] * packed[packed_index_f32(c, m, ld)];
+      out[m * ldo + j] = acc;
+    }
+}
+
+void gemm_bf16_portable(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld, int64_t rows,
+                        int64_t k, float* out, int64_t ldo) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t m = 0; m < rows; ++m) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < k; ++c)
+        acc += bf16_bits_to_float(w[j * ldw + c]) * bf16_bits_to_float(packed[packed_index_bf16(c, m, ld)]);
+      out[m * ldo + j] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 with BF16
+// ---------------------------------------------------------------------------------------------------------------
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HF_MOE_HAS_AVX512_KERNELS 1
+#define HF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// Four horizontal sums at once: [sum(a), sum(b), sum(c), sum(d)].
+HF_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <int MR, int NR>
+HF_AVX512 inline void store_tile(__m512 (&acc)[MR][NR], float* out, int64_t ldo) {
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(out + m * ldo, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else {
+      for (int j = 0; j < NR; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+    }
+  }
+}
+
+// Software prefetch distance along each int8 weight row, in bytes. A decode streams rows of a few cache lines each,
+// one after the other, and the int8 kernel computes so much per line (dequantizing) that the out-of-order window
+// keeps too few reads in flight: measured on the quickstart's shapes (benchmarks/experts_kernels.py, one thread),
+// int8 went from 8.5 to 17 GB/s with a distance of 2 KiB instead of none. (The fp32 and bf16 kernels, with a few
+// instructions per line, measured 8% slower with it.)
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <typename T>
+HF_AVX512 inline void prefetch_row(const T* row, int64_t c) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + c) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// One register tile: MR activation rows against NR weight rows, over all of K.
+template <int MR, int NR>
+HF_AVX512 void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out,
+                            int64_t ldo) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    __m512 wv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + c);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  if (c < k) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k - c)) - 1u);
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + c);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + c);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+    }
+  }
+  store_tile<MR, NR>(acc, out, ldo);
+}
+
+template <int MR, int NR>
+HF_AVX512 void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k, float* out,
+                             int64_t ldo) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= k; c += 32) {
+    __m512bh wv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + c);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + c);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  if (c < k) {
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (k - c)) - 1ull);
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + c);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + c);
+      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  store_tile<MR, NR>(acc, out, ldo);
+}
+
+template <typename T, template <int, int> class Tile>
+HF_AVX512 void dot_rows(const T* x, int64_t ldx, int64_t rows, const T* w, int64_t ldw, int cols, int64_t k,
+                        float* out, int64_t ldo) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
+    const int mr = static_cast<int>(std::min<int64_t>(kTile, rows - m0));
+    const T* xm = x + m0 * ldx;
+    float* om = out + m0 * ldo;
+#define HF_MOE_TILE(MR)                                      \
+  switch (cols) {                                            \
+    case 1: Tile<MR, 1>::run(xm, ldx, w, ldw, k, om, ldo); break; \
+    case 2: Tile<MR, 2>::run(xm, ldx, w, ldw, k, om, ldo); break; \
+    case 3: Tile<MR, 3>::run(xm, ldx, w, ldw, k, om, ldo); break; \
+    default: Tile<MR, 4>::run(xm, ldx, w, ldw, k, om, ldo); break; \
+  }
+    switch (mr) {
+      case 1: HF_MOE_TILE(1) break;
+      case 2: HF_MOE_TILE(2) break;
+      case 3: HF_MOE_TILE(3) break;
+      default: HF_MOE_TILE(4) break;
+    }
+#undef HF_MOE_TILE
+  }
+}
+
+template <int MR, int NR>
+struct TileF32 {
+  HF_AVX512 static void run(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out,
+                            int64_t ldo) {
+    dot_tile_f32<MR, NR>(x, ldx, w, ldw, k, out, ldo);
+  }
+};
+
+template <int MR, int NR>
+struct TileBF16 {
+  HF_AVX512 static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k, float* out,
+                            int64_t ldo) {
+    dot_tile_bf16<MR, NR>(x, ldx, w, ldw, k, out, ldo);
+  }
+};
+
+HF_AVX512 void dot_f32_avx512(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int cols,
+                              int64_t k, float* out, int64_t ldo) {
+  dot_rows<float, TileF32>(x, ldx, rows, w, ldw, cols, k, out, ldo);
+}
+
+HF_AVX512 void dot_bf16_avx512(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t ldw, int cols,
+                               int64_t k, float* out, int64_t ldo) {
+  dot_rows<uint16_t, TileBF16>(x, ldx, rows, w, ldw, cols, k, out, ldo);
+}
+
+// 16 int8 weights at q as fp32, times their group's scale `sv` (broadcast). Groups span multiples of 32 inputs, so
+// loops run group by group (the scale loaded once per group, no division per load).
+HF_AVX512 inline __m512 dequant16(const int8_t* q, __mmask16 mask, __m512 sv) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(mask, q);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sv);
+}
+
+HF_AVX512 inline __mmask16 tail16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// Quarter P of a cache line of int8 weights (16 of its 64) of each of NR rows, dequantized and multiplied into the
+// MR x NR accumulators.
+template <int P, int MR, int NR>
+HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR], const float* x, int64_t ldx,
+                              int64_t c, __m512 (&acc)[MR][NR]) {
+  __m512 wv[NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) {
+    __m128i bytes;
+    if constexpr (P == 0) bytes = _mm512_castsi512_si128(lines[j]);
+    else bytes = _mm512_extracti32x4_epi32(lines[j], P);
+    wv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sv[j]);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m512 xv = _mm512_loadu_ps(x + m * ldx + c + 16 * P);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+  }
+}
+
+// One register tile of int8 weights: MR fp32 activation rows against NR int8 rows, each 16 weights dequantized in
+// registers (q * scale, fp32) and used by all MR rows.
+template <int MR, int NR>
+HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t ldq, const float* scale,
+                           int64_t ld_scale, int64_t group, int64_t k, float* out, int64_t ldo) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += group) {
+    const int64_t end = std::min(k, g0 + group);
+    __m512 sv[NR];
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) sv[j] = _mm512_set1_ps(scale[j * ld_scale + g0 / group]);
+    int64_t c = g0;
+    // A cache line (64 weights) of every row per step: streaming several rows 16 bytes at a time starves the
+    // hardware prefetchers (measured: 3x slower from memory than cache-line steps).
+    for (; c + 64 <= end; c += 64) {
+      __m512i lines[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        lines[j] = _mm512_loadu_si512(q + j * ldq + c);
+        prefetch_row(q + j * ldq, c);
+      }
+      q8_part<0, MR, NR>(lines, sv, x, ldx, c, acc);
+      q8_part<1, MR, NR>(lines, sv, x, ldx, c, acc);
+      q8_part<2, MR, NR>(lines, sv, x, ldx, c, acc);
+      q8_part<3, MR, NR>(lines, sv, x, ldx, c, acc);
+    }
+    for (; c < end; c += 16) {
+      const __mmask16 mask = tail16(end - c);
+      __m512 wv[NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) wv[j] = dequant16(q + j * ldq + c, mask, sv[j]);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + c);
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+      }
+    }
+  }
+  store_tile<MR, NR>(acc, out, ldo);
+}
+
+HF_AVX512 void dot_q8_avx512(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq,
+                             const float* scale, int64_t ld_scale, int64_t group, int cols, int64_t k, float* out,
+                             int64_t ldo) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
+    const int mr = static_cast<int>(std::min<int64_t>(kTile, rows - m0));
+    const float* xm = x + m0 * ldx;
+    float* om = out + m0 * ldo;
+#define HF_MOE_Q8(MR, NR) dot_tile_q8<MR, NR>(xm, ldx, q, ldq, scale, ld_scale, group, k, om, ldo)
+#define HF_MOE_Q8_COLS(MR)                       \
+  switch (cols) {                                \
+    case 1: HF_MOE_Q8(MR, 1); break;             \
+    case 2: HF_MOE_Q8(MR, 2); break;             \
+    case 3: HF_MOE_Q8(MR, 3); break;             \
+    default: HF_MOE_Q8(MR, 4); break;            \
+  }
+    switch (mr) {
+      case 1: HF_MOE_Q8_COLS(1) break;
+      case 2: HF_MOE_Q8_COLS(2) break;
+      case 3: HF_MOE_Q8_COLS(3) break;
+      default: HF_MOE_Q8_COLS(4) break;
+    }
+#undef HF_MOE_Q8_COLS
+#undef HF_MOE_Q8
+  }
+}
+
+HF_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
+                                  int cols, int64_t k, float* dst) {
+  for (int j = 0; j < cols; ++j) {
+    const int8_t* qr = q + j * ldq;
+    const float* sr = scale + j * ld_scale;
+    float* d = dst + j * k;
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const int64_t end = std::min(k, g0 + group);
+      const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
+      for (int64_t c = g0; c < end; c += 16) {
+        const __mmask16 mask = tail16(end - c);
+        _mm512_mask_storeu_ps(d + c, mask, dequant16(qr + c, mask, sv));
+      }
+    }
+  }
+}
+
+HF_AVX512 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
+                                   int cols, int64_t k, uint16_t* dst) {
+  for (int j = 0; j < cols; ++j) {
+    const int8_t* qr = q + j * ldq;
+    const float* sr = scale + j * ld_scale;
+    uint16_t* d = dst + j * k;
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const int64_t end = std::min(k, g0 + group);
+      const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
+      int64_t c = g0;
+      for (; c + 32 <= end; c += 32) {
+        const __m512 lo = dequant16(qr + c, 0xffff, sv);
+        const __m512 hi = dequant16(qr + c + 16, 0xffff, sv);
+        _mm512_storeu_si512(d + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+      for (; c < end; c += 16) {
+        const __mmask16 mask = tail16(end - c);
+        const __m256bh v = _mm512_cvtneps_pbh(dequant16(qr + c, mask, sv));
+        _mm256_mask_storeu_epi16(d + c, mask, (__m256i)v);
+      }
+    }
+  }
+}
+
+HF_AVX512 void to_bf16_avx512(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+    _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)v);
+  }
+}
+
+// e^x to about 1 ulp over fp32's range (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial).
+HF_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504019f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+HF_AVX512 inline __m512 act512(__m512 g, Activation act) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  switch (act) {
+    case Activation::Silu:  // g * sigmoid(g)
+      return _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    case Activation::GeluTanh: {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
+      const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+      const __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f),
+                                      _mm512_fmadd_ps(g3, _mm512_set1_ps(0.044715f), g));
+      return _mm512_div_ps(g, _mm512_add_ps(one, exp512(y2)));
+    }
+    case Activation::Relu: return _mm512_max_ps(g, _mm512_setzero_ps());
+    case Activation::Relu2: {
+      const __m512 r = _mm512_max_ps(g, _mm512_setzero_ps());
+      return _mm512_mul_ps(r, r);
+    }
+    default: return g;  // Gelu (erf) runs in the portable kernel
+  }
+}
+
+HF_AVX512 void activate_avx512(const float* g, const float* u, float scale, int64_t n, Activation act, float* out) {
+  if (act == Activation::Gelu) {
+    activate_portable(g, u, scale, n, act, out);
+    return;
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    __m512 v = _mm512_mul_ps(act512(_mm512_maskz_loadu_ps(mask, g + i), act), s);
+    if (u) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, u + i));
+    _mm512_mask_storeu_ps(out + i, mask, v);
+  }
+}
+
+// GEMM register tile: NJ weight rows x MB activation rows (16 or 32: one or two vectors), over all of K. Each weight
+// value (fp32) or pair of values (bf16) is broadcast against MB packed activations. Results are scattered to
+// out[m * ldo + j] (the tile's outputs are few next to its products: K / 2 * NJ * MB / 16 vdpbf16ps).
+template <int NJ, int MB>
+HF_AVX512 inline void store_gemm_tile(__m512 (&acc)[NJ][2], int64_t rows, float* out, int64_t ldo) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int>(ldo)));
+  for (int b = 0; b < MB / 16; ++b) {
+    const int64_t left = rows - 16 * b;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    float* base = out + 16 * b * ldo;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) _mm512_mask_i32scatter_ps(base + j, mask, index, acc[j][b], 4);
+  }
+}
+
+template <int NJ, int MB>
+HF_AVX512 void gemm_tile_f32(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t rows, int64_t k,
+                             float* out, int64_t ldo) {
+  __m512 acc[NJ][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; ++c) {
+    const __m512 x0 = _mm512_loadu_ps(packed + c * ld);
+    const __m512 x1 = MB == 32 ? _mm512_loadu_ps(packed + c * ld + 16) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {
+      const __m512 a = _mm512_set1_ps(w[j * ldw + c]);
+      acc[j][0] = _mm512_fmadd_ps(a, x0, acc[j][0]);
+      if (MB == 32) acc[j][1] = _mm512_fmadd_ps(a, x1, acc[j][1]);
+    }
+  }
+  store_gemm_tile<NJ, MB>(acc, rows, out, ldo);
+}
+
+template <int NJ, int MB>
+HF_AVX512 void gemm_tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t rows,
+                              int64_t k, float* out, int64_t ldo) {
+  __m512 acc[NJ][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* xp = packed + p * 2 * ld;
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp);
+    const __m512bh x1 = MB == 32 ? (__m512bh)_mm512_loadu_si512(xp + 32) : x0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NJ; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, w + j * ldw + 2 * p, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], a, x0);
+      if (MB == 32) acc[j][1] = _mm512_dpbf16_ps(acc[j][1], a, x1);
+    }
+  }
+  if (k % 2) {  // the last input alone: its partner is zero in the packed activations (and here)
+    const uint16_t* xp = packed + pairs * 2 * ld;
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp);
+    const __m512bh x1 = MB == 32 ? (__m512bh)_mm512_loadu_si512(xp + 32) : x0;
+    for (int j = 0; j < NJ; ++j) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(w[j * ldw + k - 1]));
+      acc[j][0] = _mm512_dpbf16_ps(acc[j][0], a, x0);
+      if (MB == 32) acc[j][1] = _mm512_dpbf16_ps(acc[j][1], a, x1);
+    }
+  }
+  store_gemm_tile<NJ, MB>(acc, rows, out, ldo);
+}
+
+// All rows and `cols` weight rows: tiles of 8 (then 4, 2, 1) weight rows x 32 (then 16) activation rows. The packed
+// activations of one 32-row block are reused for every weight tile while they sit in L1.
+template <typename T, template <int, int> class Tile>
+HF_AVX512 void gemm_all(const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
+                        float* out, int64_t ldo) {
+  const int64_t pair = std::is_same_v<T, float> ? 1 : 2;  // packed values per activation row and input pair
+  for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+    const int64_t left = rows - m0;
+    const T* xp = packed + m0 * pair;
+    float* om = out + m0 * ldo;
+    int j = 0;
+#define HF_MOE_GEMM(NJ)                                                                  \
+  if (left > 16) Tile<NJ, 32>::run(w + j * ldw, ldw, xp, ld, left, k, om + j, ldo);       \
+  else Tile<NJ, 16>::run(w + j * ldw, ldw, xp, ld, left, k, om + j, ldo);                 \
+  j += NJ;
+    while (cols - j >= 8) { HF_MOE_GEMM(8) }
+    if (cols - j >= 4) { HF_MOE_GEMM(4) }
+    if (cols - j >= 2) { HF_MOE_GEMM(2) }
+    if (cols - j >= 1) { HF_MOE_GEMM(1) }
+#undef HF_MOE_GEMM
+  }
+}
+
+template <int NJ, int MB>
+struct GemmF32 {
+  HF_AVX512 static void run(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t rows, int64_t k,
+                            float* out, int64_t ldo) {
+    gemm_tile_f32<NJ, MB>(w, ldw, packed, ld, rows, k, out, ldo);
+  }
+};
+
+template <int NJ, int MB>
+struct GemmBF16 {
+  HF_AVX512 static void run(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t rows,
+                            int64_t k, float* out, int64_t ldo) {
+    gemm_tile_bf16<NJ, MB>(w, ldw, packed, ld, rows, k, out, ldo);
+  }
+};
+
+HF_AVX512 void gemm_f32_avx512(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
+                               int64_t k, float* out, int64_t ldo) {
+  gemm_all<float, GemmF32>(w, ldw, cols, packed, ld, rows, k, out, ldo);
+}
+
+HF_AVX512 void gemm_bf16_avx512(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld,
+                                int64_t rows, int64_t k, float* out, int64_t ldo) {
+  gemm_all<uint16_t, GemmBF16>(w, ldw, cols, packed, ld, rows, k, out, ldo);
+}
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+}
+#endif
+
+const Kernels kPortable{"portable",        dot_f32_portable,  dot_bf16_portable,  dot_q8_portable, dequant_f32_portable,
+                        dequant_bf16_portable, to_bf16_portable, gemm_f32_portable, gemm_bf16_portable,
+                        activate_portable};
+#ifdef HF_MOE_HAS_AVX512_KERNELS
+const Kernels kAvx512{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  dot_q8_avx512, dequant_f32_avx512,
+                      dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512,  gemm_bf16_avx512,
+                      activate_avx512};
+#endif
+
+}  // namespace
+
+const Kernels& serve_kernels(const std::string& name) {
+  if (name == "portable") return kPortable;
+  TORCH_CHECK(name == "auto" || name == "avx512_bf16", "hf_moe: unknown kernel set '", name,
+              "' (auto, avx512_bf16 or portable)");
+#ifdef HF_MOE_HAS_AVX512_KERNELS
+  static const bool avx512 = cpu_has_avx512_bf16();
+  if (avx512) return kAvx512;
+#endif
+  TORCH_CHECK(name == "auto", "hf_moe: this CPU lacks AVX-512 with BF16; use the 'auto' or 'portable' kernels");
+  return kPortable;
+}
+
+}  // namespace serve
+}  // namespace hf_moe

@@ -1,0 +1,75 @@
+"""The compiled inference kernel of one MoE layer, `hf_moe::moe_experts_infer` (csrc/cpu/serve_cpu.cpp): when it
+runs, and its shape function.
+
+It computes what `moe_experts_forward` computes, without autograd, for fp32, bf16 and int8 (weight-only, see
+int8.py) expert weights: weights are read in their own layout, once per call, and a one-token decode splits every
+active expert's rows over all threads. It runs where
+
+  * the compiled extension is loaded (the "compiled" backend), the tensors are on CPU and no gradient is needed;
+  * the activations are fp32 or bf16 and the weights fp32, bf16 or int8 (fp64 and fp16 take the other path);
+  * for fp32 and bf16 weights, the CPU has AVX-512 with BF16 (`kernel_isa() == "avx512_bf16"`) and, for bf16,
+    the layer call has few tokens (`MAX_TOKENS`): where it was measured faster than torch's GEMMs. int8 weights
+    always take it: it is their only compiled kernel (elsewhere they are dequantized, then multiplied).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Layer calls of at most this many tokens take the inference kernel when the weights are fp32 or bf16 (None: any
+# number). Measured (benchmarks/experts_kernels.py, quickstart shapes, one thread, fastest of 7): fp32 ours/MKL
+# 15.4/20.5 ms per layer at 32 tokens, 27/49 at 128, 85/151 at 512; bf16 ours/oneDNN 7.1/8.9 at 32 tokens but
+# 18.4/14.6 at 128 and 49/33 at 512, so longer bf16 calls keep torch's GEMMs (oneDNN).
+MAX_TOKENS = {torch.float32: None, torch.bfloat16: 32}
+
+
+@functools.cache
+def _isa() -> str:
+    return torch.ops.hf_moe.serve_isa()
+
+
+@torch.compiler.assume_constant_result  # decided on the host once; a trace keeps the answer
+def kernel_isa() -> str:
+    """The kernel set the inference op uses on this CPU: "avx512_bf16" or "portable". Needs the extension."""
+    return _isa()
+
+
+def runs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, save_h: bool) -> bool:
+    """Whether `moe_experts_infer` computes this layer (the compiled backend is already chosen by the caller)."""
+    if save_h or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or w1.dtype != w2.dtype:
+        return False
+    if w1.dtype == torch.int8:
+        return True
+    if w1.dtype not in MAX_TOKENS or kernel_isa() != "avx512_bf16":
+        return False
+    limit = MAX_TOKENS[w1.dtype]
+    return limit is None or x.shape[0] <= limit
+
+
+def experts_infer(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+) -> torch.Tensor:
+    """[N, H] -> [N, H] (see `hf_moe::moe_experts_infer`): w1 [E, W, H], w2 [E, H, I] fp32 / bf16, or int8 with
+    fp32 scales [E, out] (per channel) or [E, out, groups]."""
+    return torch.ops.hf_moe.moe_experts_infer(
+        hidden_states, top_k_index, top_k_weights, w1.contiguous(), w1_scale, b1, w2.contiguous(), w2_scale, b2,
+        activation, glu,
+    )
+
+
+def infer_fake(hidden_states, top_k_index, top_k_weights, w1, w1_scale, b1, w2, w2_scale, b2, activation, glu,
+               kernels="auto"):
+    """Shape function of `moe_experts_infer` (torch.compile, torch.export): [N, H] like hidden_states."""
+    return hidden_states.new_empty(hidden_states.shape)

@@ -1,0 +1,59 @@
+"""Weight-only int8 quantization of expert weights, in pure torch: the format, and the oracle of the int8 kernel.
+
+A weight [..., out, K] (an expert's `gate_up_proj` [2I, H] or `down_proj` [H, I], or all experts at once) becomes
+
+    q      int8 [..., out, K]             round(w / scale), in [-127, 127] (symmetric: no zero point)
+    scale  fp32 [..., out]                per output channel: max |w| of the row / 127          (group_size None)
+           fp32 [..., out, K / g]         per group of g consecutive inputs of the row           (group_size g)
+
+and `dequantize_int8(q, scale)` = q * scale is the weight the kernels compute with: the compiled kernel
+(csrc/cpu/serve_cpu.cpp) multiplies by exactly these values, dequantized in fp32 (or rounded to bf16 when the
+activations are bf16), so "dequantize, then matmul" is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127
+
+
+def _check_group(k: int, group_size: int | None) -> None:
+    if group_size is None:
+        return
+    if group_size <= 0 or group_size % 32 or k % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not fit {k} inputs: it must be a positive multiple of 32 that divides "
+            f"{k} (e.g. {next((g for g in (128, 64, 32) if k % g == 0), None)}), or None for one scale per output "
+            "channel."
+        )
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [..., out, K], scale fp32 [..., out] or [..., out, K / group_size]) of a weight [..., out, K].
+
+    Symmetric absmax scaling: scale = max |w| / 127 over the channel (or group), q = round(w / scale). A channel of
+    zeros gets scale 0 and q 0.
+    """
+    k = weight.shape[-1]
+    _check_group(k, group_size)
+    w = weight.detach().float()
+    if group_size is not None:
+        w = w.reshape(*w.shape[:-1], k // group_size, group_size)
+    scale = w.abs().amax(-1) / QMAX
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.reshape(weight.shape), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q * scale as `dtype` (computed in fp32, then cast): [..., out, K]."""
+    if scale.dim() == q.dim():  # grouped
+        groups = scale.shape[-1]
+        w = q.float().reshape(*q.shape[:-1], groups, q.shape[-1] // groups) * scale.float().unsqueeze(-1)
+        return w.reshape(q.shape).to(dtype)
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def group_size_of(q: torch.Tensor, scale: torch.Tensor) -> int | None:
+    """The group size a (q, scale) pair was quantized with (None: per output channel)."""
+    return q.shape[-1] // scale.shape[-1] if scale.dim() == q.dim() else None
