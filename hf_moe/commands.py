@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 
 _OPTION_FLAGS = (
@@ -143,16 +144,27 @@ def _generate(args) -> None:
     import torch
 
     from .checkpoint import load_tokenizer, reading
+    from .checkpoint.checks import read_config as checkpoint_config
+    from .layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
     from .modeling import MoEForCausalLM
     from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
+    from .quantize import load_quantized, quantize_experts
 
     offload = args.offload_experts is not None or args.max_expert_memory is not None
     options = dict(offload_experts=args.offload_experts, max_expert_memory=args.max_expert_memory) if offload else {}
     options["dtype"] = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     start = time.perf_counter()
+    if args.quantize and offload:
+        raise ValueError("--quantize quantizes experts held in memory; to offload int8 experts, save the model "
+                           "with hf_moe.save_quantized and pass that directory with --offload-experts.")
     with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
-        model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
+        if checkpoint_config(Path(args.model)).get(QUANTIZATION_FIELD) is not None and not offload:
+            model = load_quantized(args.model, dtype=options["dtype"]).eval()  # saved with int8 experts
+        else:
+            model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
         tokenizer = load_tokenizer(args.model)
+    if args.quantize:
+        quantize_experts(model, args.quantize)
     load_s = time.perf_counter() - start
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_ids, tiny_dense
+from conftest import random_ids, tiny_dense, tiny_tokenizer
 
 import hf_moe
 from hf_moe.checkpoint import CheckpointError, read_safetensors_header, verify_checkpoint
@@ -328,3 +328,31 @@ def test_torch_compile_fullgraph_runs_the_int8_kernel():
         want = quantized(x, index, weights.float())
         got = torch.compile(quantized, fullgraph=True, backend="aot_eager")(x, index, weights.float())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_cli_generate_quantize_int8_streams_the_int8_models_tokens(tmp_path, capsys):
+    """`hf-moe generate --quantize int8` streams what the model with int8 experts generates; a checkpoint saved
+    with int8 experts is loaded as such (plain from_pretrained refuses it, naming load_quantized); --quantize with
+    offloading is a clear error (exit 2)."""
+    from hf_moe.cli import main
+
+    moe = hf_moe.convert_to_moe(tiny_dense(), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
+    moe.save_pretrained(tmp_path / "moe")
+    tiny_tokenizer().save_pretrained(tmp_path / "moe")
+    tok = tiny_tokenizer()
+    ids = tok("the quick", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = hf_moe.quantize_experts(moe, "int8").generate(ids, max_new_tokens=5, do_sample=False,
+                                                                  pad_token_id=0)
+    want = tok.decode(expected[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    assert main(["generate", str(tmp_path / "moe"), "the quick", "--max-new-tokens", "5", "--quantize", "int8"]) == 0
+    assert capsys.readouterr().out.strip() == want
+    hf_moe.save_quantized(moe, tmp_path / "int8")
+    tiny_tokenizer().save_pretrained(tmp_path / "int8")
+    assert main(["generate", str(tmp_path / "int8"), "the quick", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() == want
+    with pytest.raises(hf_moe.CheckpointError, match="load_quantized"):
+        hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "int8")
+    assert main(["generate", str(tmp_path / "moe"), "x", "--quantize", "int8", "--offload-experts", "disk",
+                 "--max-expert-memory", "1MB"]) == 2
+    assert "--quantize" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..configuration import _cut
+from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from .checks import (
     check_block_paths, check_expert_keys, check_files, check_generation_config, check_routers, check_tensors,
     expected_tensors, read_config, read_index, read_moe_config,
@@ -44,6 +45,11 @@ def validate_checkpoint(
     directory = Path(directory)
     recover_interrupted_commit(directory)
     config = read_config(directory)
+    if config.get(QUANTIZATION_FIELD) is not None:
+        raise CheckpointError(
+            f"{directory} holds int8 experts (config.json's {QUANTIZATION_FIELD}): load it with "
+            f"`hf_moe.load_quantized({str(directory)!r})`, or with offload_experts='disk' or 'cpu'."
+        )
     if os.path.lexists(directory / INDEX_NAME):
         weight_map, metadata = read_index(directory)
         checksums = recorded_checksums(metadata)
