@@ -39,7 +39,9 @@ def _convert(args) -> None:
         except StreamingUnsupported as why:
             print(f"Converting in memory: streaming is not possible here ({why}).", file=sys.stderr)
     if model is None:
-        model = convert_to_moe(args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options)
+        model = convert_to_moe(
+            args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options
+        )
         save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
     counts = model.parameter_counts()
     conv = model.config.moe_conversion
@@ -295,7 +297,8 @@ def _plan(args) -> None:
               f"{e.activations / gb:>8.1f}G {e.total / gb:>8.1f}G {e.all_to_all_per_step / gb:>15.2f}G  {fits}{where}")
     print(
         "\nEP: processes per expert-parallel group (tokens travel between them); FSDP: groups, over which each block "
-        "of experts is sharded. Non-expert parameters are sharded over EP and replicated over FSDP (hf_moe.parallelize)."
+        "of experts is sharded. Non-expert parameters are sharded over EP and replicated over FSDP "
+        "(hf_moe.parallelize)."
         "\nweights, grads, optimizer: the largest rank's shards (exact, as FSDP2 chunks them). gathered: the root "
         "unit and the largest layer, unsharded for compute, with their gradients. activ.~: rough (+-30%), one "
         "micro-batch, no activation checkpointing (which cuts it to about one layer's). all-to-all: bytes each GPU "
@@ -305,7 +308,8 @@ def _plan(args) -> None:
 
 
 COMMANDS = {
-    "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan, "generate": _generate,
+    "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan,
+    "generate": _generate,
 }
 
 

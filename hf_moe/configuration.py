@@ -256,7 +256,8 @@ _FIELD_TYPES = {
     "expert_hidden_act": _STR, "moe_output_dropout": _FLOAT, "router_type": _STR, "capacity_factor": _FLOAT,
     "eval_capacity_factor": _FLOAT, "router_jitter_noise": _FLOAT, "router_z_loss_coef": _FLOAT,
     "num_prototypes": _INT, "router_bias_update_rate": _FLOAT, "router_weights": _STR, "num_shared_experts": _INT,
-    "shared_expert_intermediate_size": _INT, "shared_expert_gate": _BOOL, "moe_output_bias": _BOOL, "router_init_std": _FLOAT,
+    "shared_expert_intermediate_size": _INT, "shared_expert_gate": _BOOL, "moe_output_bias": _BOOL,
+    "router_init_std": _FLOAT,
     "decoder_layers_path": _STR, "moe_block_path": _STR, "hf_moe_format": _INT,
 }
 _NULLABLE = {

@@ -49,7 +49,8 @@ def report() -> str:
     lines = [
         f"hf_moe        {__version__}",
         f"python        {platform.python_version()} ({platform.machine()})",
-        f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, threads: {torch.get_num_threads()})",
+        f"torch         {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}, "
+        f"threads: {torch.get_num_threads()})",
         f"transformers  {transformers.__version__}",
         f"GPU           {torch.cuda.get_device_name(0) if cuda else 'none'}",
         f"triton        {_triton()}",

@@ -163,9 +163,9 @@ SHARED_EXPERT_TARGETS: dict[str, NativeTarget] = {
 # Families with a native MoE relative that is NOT the same function, and why: part of the error message.
 NO_TARGET_WHY = {
     "qwen2": "qwen2_moe adds a sigmoid-gated shared expert to every MoE layer, and this model has none. Only a "
-    "zero-width one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint of empty "
-    "tensors that serving stacks are not built for; zero weights would declare a shared expert that is not there. A "
-    "merge with one gated shared expert (hf-moe merge, architecture: qwen) exports",
+    "zero-width one (shared_expert_intermediate_size=0) would add exactly zero, and that is a degenerate checkpoint "
+    "of empty tensors that serving stacks are not built for; zero weights would declare a shared expert that is not "
+    "there. A merge with one gated shared expert (hf-moe merge, architecture: qwen) exports",
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",
 }
 # Keys of a config's to_dict() that describe the file, not the model.
@@ -516,8 +516,8 @@ def _verify(source, outputs, config: MoEConfig, native: PreTrainedConfig, direct
 
     A tensor that differs from its source, a tensor transformers does not find or does not use, or in fp32 (and
     fp64) a logit difference beyond `logit_tolerance` (what rounding explains), means the export is wrong: an error
-    rather than a card that says otherwise. In half precision the routers round their logits differently (see the card), so the difference
-    is recorded, not judged.
+    rather than a card that says otherwise. In half precision the routers round their logits differently (see the
+    card), so the difference is recorded, not judged.
     """
     wrong = check_written(source, outputs, directory)
     if wrong:

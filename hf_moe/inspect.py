@@ -29,7 +29,8 @@ class CheckpointSummary:
     @property
     def active_params(self) -> int:
         c = self.config
-        return self.total_params - self.expert_params + self.expert_params * c["num_experts_per_tok"] // c["num_experts"]
+        routed = self.expert_params * c["num_experts_per_tok"] // c["num_experts"]
+        return self.total_params - self.expert_params + routed
 
 
 def summarize_checkpoint(directory: str | Path) -> CheckpointSummary:
@@ -103,7 +104,8 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
     conv = c.get("moe_conversion") or {}
     lines = [
         f"hf_moe checkpoint: {directory}",
-        f"  base model       {conv.get('base_model', '?')} ({c['base_model_type']}, {c.get('architectures', ['?'])[0]})",
+        f"  base model       {conv.get('base_model', '?')} "
+        f"({c['base_model_type']}, {c.get('architectures', ['?'])[0]})",
         f"  MoE layers       {len(c['moe_layers'])} of {num_layers}: {_ranges(c['moe_layers'])}",
         f"  experts          {c['num_experts']} per MoE layer, top-{c['num_experts_per_tok']} ({_weighting(c)})"
         f"{_shared(c)}",
@@ -125,11 +127,16 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
     options = ", ".join(f"{k}={v}" for k, v in sorted((conv.get("options") or {}).items()))
     method = f"{conv.get('method')}{f' ({options})' if options else ''}"
     if "max_abs_logit_diff" in conv:
-        lines.append(f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a random probe")
+        lines.append(
+            f"  conversion       {method}: max |logit - dense logit| = {conv['max_abs_logit_diff']:.2e} on a "
+            "random probe"
+        )
     elif "max_abs_block_diff" in conv:
         lines.append(f"  conversion       {method}: max |MoE block - dense MLP| = {block_diff_text(conv)} per layer")
     elif "max_abs_expert_diff" in conv:
-        lines.append(f"  conversion       {method}: every expert within {conv['max_abs_expert_diff']:.2e} of its source MLP")
+        lines.append(
+            f"  conversion       {method}: every expert within {conv['max_abs_expert_diff']:.2e} of its source MLP"
+        )
     elif conv:
         lines.append(f"  conversion       {method}")
     return "\n".join(lines)

@@ -278,7 +278,9 @@ def _dtype_fits(stored: torch.dtype, expected: torch.dtype) -> bool:
     return stored.is_floating_point and expected.is_floating_point and stored.itemsize != expected.itemsize
 
 
-def check_tensors(directory: Path, weight_map: dict[str, str], headers: dict[str, dict], expected: dict, config) -> None:
+def check_tensors(
+    directory: Path, weight_map: dict[str, str], headers: dict[str, dict], expected: dict, config
+) -> None:
     """Every tensor of the backbone that the config calls for is in the checkpoint (a head may be new: a causal-LM
     checkpoint loaded as a classifier), and every tensor the model takes has the shape of the config and a dtype it
     can take. So loading allocates only what the files hold: `num_shared_experts: 5000` with the files of one shared

@@ -70,7 +70,9 @@ def file_checksums(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
     new = CHECKSUM_ALGORITHMS[algorithm]
     with open_file(path.parent, path.name, INDEX_NAME) as f:
         header, raw = header_of(f, path.name)
-        spans = sorted((m["data_offsets"][0], m["data_offsets"][1], k) for k, m in header.items() if k != "__metadata__")
+        spans = sorted(
+            (m["data_offsets"][0], m["data_offsets"][1], k) for k, m in header.items() if k != "__metadata__"
+        )
         record = {"size": len(raw) + (spans[-1][1] if spans else 0), "header": new(raw).hexdigest(), "tensors": {}}
         buffer = memoryview(bytearray(min(_HASH_CHUNK, max((e - b for b, e, _ in spans), default=1) or 1)))
         for begin, end, key in spans:  # contiguous: `_check_header` saw to it

@@ -116,7 +116,9 @@ def open_fd(directory: str | os.PathLike, name, source: str, *, max_bytes: int |
     except OSError as err:  # ENXIO: a socket swapped in; ELOOP: a link loop. (EMFILE, EACCES ... are raised as such)
         if err.errno not in (errno.ENXIO, errno.ELOOP):
             raise
-        raise CheckpointError(f"{path} cannot be opened ({err.strerror}). Restore it, or save the model again.") from None
+        raise CheckpointError(
+            f"{path} cannot be opened ({err.strerror}). Restore it, or save the model again."
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -232,7 +234,9 @@ def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return value
 
 
-def copy_files(directory: str | os.PathLike, names, destination: str | os.PathLike, source: str) -> tuple[list[str], list[str]]:
+def copy_files(
+    directory: str | os.PathLike, names, destination: str | os.PathLike, source: str
+) -> tuple[list[str], list[str]]:
     """Copy the files `names` of `directory` that exist into `destination`, byte for byte, each read through
     `open_file`. Returns (names copied, one line for each file refused: a link out, a FIFO, ...)."""
     copied, refused = [], []

@@ -36,7 +36,9 @@ def header_of(f: io.FileIO, name: str) -> tuple[dict, bytes]:
     if header_len > size - 8:
         raise CheckpointError(f"{name} is corrupt: its header is cut off (truncated file?).")
     if header_len > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{name} is corrupt: it declares a {header_len}-byte header (at most {MAX_HEADER_BYTES}).")
+        raise CheckpointError(
+            f"{name} is corrupt: it declares a {header_len}-byte header (at most {MAX_HEADER_BYTES})."
+        )
     raw = f.read(header_len)
     if len(raw) != header_len:
         raise CheckpointError(f"{name} is corrupt: its header is cut off (the file shrank while being read).")

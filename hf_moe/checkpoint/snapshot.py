@@ -191,8 +191,9 @@ def exclusive(target: Path) -> Iterator[None]:
                 wait_s = _commit_wait_s()
                 locked = _lock(fd, fcntl.LOCK_EX, wait_s)
                 if locked is False:
-                    warnings.warn(f"Loads of {target} still running after {wait_s:.0f}s (HF_MOE_COMMIT_WAIT): replacing "
-                                  "it now; they will fail with CheckpointBusyError and can be retried.", stacklevel=3)
+                    warnings.warn(f"Loads of {target} still running after {wait_s:.0f}s (HF_MOE_COMMIT_WAIT): "
+                                  "replacing it now; they will fail with CheckpointBusyError and can be retried.",
+                                  stacklevel=3)
                     break
             if names(target, fd):
                 break

@@ -224,7 +224,9 @@ def _spec(owner: nn.Module, path: str, up: str, down: str, gate: str | None = No
 def _activation_attr(owner: nn.Module, in_layer: bool, projections) -> str | None:
     """The attribute holding the activation: one of ACT_ATTR_NAMES or, inside an MLP module, its one child that
     has no parameters and is no projection or dropout (Bloom's `gelu_impl`, the `1` of an `nn.Sequential`)."""
-    named = next((a for a in ACT_ATTR_NAMES if owner._modules.get(a) is not None or callable(owner.__dict__.get(a))), None)
+    named = next(
+        (a for a in ACT_ATTR_NAMES if owner._modules.get(a) is not None or callable(owner.__dict__.get(a))), None
+    )
     if named is not None or in_layer:  # a decoder layer has other parameter-free children (dropouts, rotary, ...)
         return named
     others = [

@@ -126,7 +126,8 @@ def convert_checkpoint(
     generator = torch.Generator().manual_seed(opts["seed"])
     first_block = convert_block(method, first, config, opts, None, generator, materialize=False)
     with torch.device("meta"):  # from_dense converts in place: a second meta model, `dense` keeps its MLPs
-        moe = MoEForCausalLM.from_dense(AutoModelForCausalLM.from_config(base_config, dtype=working_dtype), config, None)
+        dense = AutoModelForCausalLM.from_config(base_config, dtype=working_dtype)
+        moe = MoEForCausalLM.from_dense(dense, config, None)
     if os.path.lexists(src / "generation_config.json"):  # (read through the guarded opener: not a link out of src)
         moe.generation_config = GenerationConfig.from_dict(read_json(src, "generation_config.json", "the source"))
 

@@ -162,7 +162,7 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
                    + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}); "
                    f"largest gradient error {errors[worst]:.2e} ({worst})")
     step.status = FAILED if problems else PASSED
-    step.summary = "; ".join(problems) if problems else f"loss and gradients match the torch backend; AdamW step finite"
+    step.summary = "; ".join(problems) if problems else "loss and gradients match the torch backend; AdamW step finite"
 
 
 def step_training_and_expert_parallel(step, device: torch.device, smoke: bool, timeout: float) -> None:

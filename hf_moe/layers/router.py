@@ -162,7 +162,8 @@ class Router(nn.Module):
         return nn.functional.linear(hidden_states.float(), self.weight.float())
 
     def capacity(self, num_tokens: int) -> int | None:
-        factor = self.capacity_factor if self.training or self.eval_capacity_factor is None else self.eval_capacity_factor
+        eval_factor = self.eval_capacity_factor
+        factor = self.capacity_factor if self.training or eval_factor is None else eval_factor
         if factor is None:
             return None
         return max(1, math.ceil(factor * num_tokens * self.top_k / self.num_experts))

@@ -22,7 +22,8 @@ from .stats import CacheStats, GenerationTimer, peak_rss_bytes
 from .store import DiskExperts, ExpertLayout, HostExperts
 
 __all__ = [
-    "DEFAULT_POLICY", "MODES", "POLICIES", "CachePolicy", "CacheStats", "GenerationTimer", "DiskExperts", "ExpertCache", "ExpertLayout",
+    "DEFAULT_POLICY", "MODES", "POLICIES", "CachePolicy", "CacheStats", "GenerationTimer", "DiskExperts", "ExpertCache",
+    "ExpertLayout",
     "HostExperts", "OffloadedExperts", "describe", "expert_cache", "expert_slots", "load_offloaded",
     "parse_memory_size", "peak_rss_bytes",
 ]

@@ -337,5 +337,6 @@ class ExpertCache:
     def __repr__(self) -> str:
         return (
             f"ExpertCache({self.num_slots} slots of {self.layout.num_layers * self.layout.num_experts} experts, "
-            f"{self.pool_bytes() / 2**20:.1f} MiB on {self.device}, policy={self.policy.name}, prefetch={self.prefetch})"
+            f"{self.pool_bytes() / 2**20:.1f} MiB on {self.device}, policy={self.policy.name}, "
+            f"prefetch={self.prefetch})"
         )

@@ -72,7 +72,9 @@ class GenerationTimer:
         from transformers import TextStreamer
 
         self.times: list[float] = []
-        self.text = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if tokenizer is not None else None
+        self.text = (
+            TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if tokenizer is not None else None
+        )
 
     def put(self, value) -> None:
         self.times.append(time.perf_counter())

@@ -41,7 +41,10 @@ def _supported(experts: torch.nn.Module) -> bool:
         and not getattr(experts, "has_post_expert_norm", False)
         and not getattr(experts, "_is_expert_parallel", False)
         and getattr(type(experts), "_apply_gate", default_apply_gate) is default_apply_gate
-        and (getattr(experts, "activation", None) is not None or activation_key(getattr(experts, "act_fn", None)) is not None)
+        and (
+            getattr(experts, "activation", None) is not None
+            or activation_key(getattr(experts, "act_fn", None)) is not None
+        )
     )
 
 

@@ -30,7 +30,9 @@ from transformers.activations import ACT2FN
 from .autograd import register_grouped_mm
 
 # Kernel activation name -> ACT2FN key. Other ACT2FN keys work here too (only here).
-KERNEL_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2"}
+KERNEL_ACTIVATIONS = {
+    "silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "relu2": "relu2",
+}
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):

@@ -132,7 +132,8 @@ def save_training_state(
     if rank == 0:
         try:
             if any(failed):
-                raise RuntimeError(f"saving the training state failed on rank(s) {[r for r, f in enumerate(failed) if f]}")
+                ranks = [r for r, f in enumerate(failed) if f]
+                raise RuntimeError(f"saving the training state failed on rank(s) {ranks}")
             commit(staging, target, carry=False)  # (nothing of an older state is kept)
             status = "ok"
         except BaseException as err:
@@ -186,7 +187,9 @@ def read_training_state_meta(directory: str | os.PathLike) -> dict:
         raise TrainingStateError(f"{path}: world_size must be a positive integer, got {world!r}.")
     mesh = meta.get("mesh")
     if mesh is not None and not (
-        isinstance(mesh, dict) and set(mesh) == {"dp", "ep"} and all(isinstance(v, int) and v > 0 for v in mesh.values())
+        isinstance(mesh, dict)
+        and set(mesh) == {"dp", "ep"}
+        and all(isinstance(v, int) and v > 0 for v in mesh.values())
     ):
         raise TrainingStateError(f"{path}: mesh must be null or {{'dp': int, 'ep': int}}, got {mesh!r}.")
     meta["data_position"] = _check_position(meta.get("data_position"), f"{path}: data_position")

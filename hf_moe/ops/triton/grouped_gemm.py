@@ -300,8 +300,9 @@ def grouped_mm(
     m = gather_index.shape[0] if gather_index is not None else x.shape[0]
     num_experts, k, n = w.shape
     if x.shape[1] != k or x.dtype != weight.dtype:
-        raise ValueError(f"grouped_mm: x is {tuple(x.shape)} {x.dtype}, the weights {tuple(weight.shape)} {weight.dtype} "
-                         f"(transpose_weight={transpose_weight}); they need the same dtype and x {k} columns.")
+        raise ValueError(f"grouped_mm: x is {tuple(x.shape)} {x.dtype}, the weights {tuple(weight.shape)} "
+                         f"{weight.dtype} (transpose_weight={transpose_weight}); they need the same dtype and x {k} "
+                         "columns.")
     if torch_gemm is None:
         torch_gemm = TORCH_GEMM and torch_grouped_mm_usable(device, (x.dtype, weight.dtype), (k, n))
     if torch_gemm:
