@@ -356,3 +356,23 @@ def test_cli_generate_quantize_int8_streams_the_int8_models_tokens(tmp_path, cap
     assert main(["generate", str(tmp_path / "moe"), "x", "--quantize", "int8", "--offload-experts", "disk",
                  "--max-expert-memory", "1MB"]) == 2
     assert "--quantize" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("glu,bias", [(True, True), (False, False)])
+def test_quantized_expert_choice_equals_a_loop_over_the_dequantized_experts(glu, bias):
+    """Expert-choice routing through int8 experts: each expert takes its C tokens, computed one by one here with the
+    dequantized weights (q * scale) and weighted into the tokens' outputs."""
+    quantized = QuantizedExperts.from_experts(_Experts(4, 32, 48, glu=glu, bias=bias, dtype=torch.float32))
+    weights = quantized.dequantized(torch.float32)
+    x = torch.randn(10, 32, generator=torch.Generator().manual_seed(3))
+    index = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 5]])
+    gates = torch.rand(4, 3, generator=torch.Generator().manual_seed(4))
+    expected = torch.zeros_like(x)
+    b1 = getattr(quantized, f"{quantized.up_name}_bias")
+    for e in range(4):
+        for slot, token in enumerate(index[e].tolist()):
+            h = weights[quantized.up_name][e] @ x[token] + (b1[e] if bias else 0)
+            a = torch.nn.functional.silu(h[:48]) * h[48:] if glu else quantized.act_fn(h)
+            y = weights["down_proj"][e] @ a + (quantized.down_proj_bias[e] if bias else 0)
+            expected[token] += gates[e, slot] * y
+    torch.testing.assert_close(quantized.expert_choice(x, index, gates), expected, rtol=1e-5, atol=1e-5)

@@ -84,20 +84,10 @@ class Experts(nn.Module):
         Returns:
             [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
         """
-        e, c = expert_index.shape
-        x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)  # [E, C, H]
         w1 = self.gate_up_proj if self.has_gate else self.up_proj
         b1 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
-        h = torch.bmm(x, w1.transpose(1, 2))  # [E, C, W]
-        if b1 is not None:
-            h = h + b1.unsqueeze(1)
-        a = reference.expert_act(h.reshape(e * c, -1), None, self.activation, self.has_gate).view(e, c, -1)
-        y = torch.bmm(a, self.down_proj.transpose(1, 2))  # [E, C, H]
-        if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias.unsqueeze(1)
-        y = y * expert_weights.to(y.dtype).unsqueeze(-1)
-        out = hidden_states.new_zeros(hidden_states.shape)
-        return out.index_add(0, expert_index.reshape(-1), y.reshape(e * c, -1))
+        return batched_expert_choice(hidden_states, expert_index, expert_weights, w1, b1, self.down_proj,
+                                     self.down_proj_bias, self.activation, self.has_gate)
 
     def extra_repr(self) -> str:
         kind = "glu" if self.has_gate else "mlp"
@@ -139,3 +129,36 @@ def _load_per_expert_keys(module, state_dict, prefix, local_metadata, strict, mi
                 continue
             with torch.no_grad():
                 param[e].copy_(tensor)
+
+
+def batched_expert_choice(
+    hidden_states: torch.Tensor,
+    expert_index: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+) -> torch.Tensor:
+    """Expert-choice routing with one batched matmul per projection (every expert takes C tokens).
+
+    Args:
+        hidden_states: [N, H]; expert_index: [E, C] token ids; expert_weights: [E, C]; w1 [E, W, H], b1 [E, W],
+        w2 [E, H, I], b2 [E, H].
+    Returns:
+        [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
+    """
+    e, c = expert_index.shape
+    x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)  # [E, C, H]
+    h = torch.bmm(x, w1.transpose(1, 2))  # [E, C, W]
+    if b1 is not None:
+        h = h + b1.unsqueeze(1)
+    a = reference.expert_act(h.reshape(e * c, -1), None, activation, glu).view(e, c, -1)
+    y = torch.bmm(a, w2.transpose(1, 2))  # [E, C, H]
+    if b2 is not None:
+        y = y + b2.unsqueeze(1)
+    y = y * expert_weights.to(y.dtype).unsqueeze(-1)
+    out = hidden_states.new_zeros(hidden_states.shape)
+    return out.index_add(0, expert_index.reshape(-1), y.reshape(e * c, -1))

@@ -10,6 +10,7 @@ from ..ops import dispatch_ops, experts_forward, kernel_activation, reference
 from ..ops.activations import activation_key
 from ..ops.infer import experts_infer
 from ..ops.int8 import dequantize_int8, quantize_int8
+from .experts import batched_expert_choice
 
 # config.json's field naming the experts' quantization (written by hf_moe.quantize; read by offload too).
 CONFIG_FIELD = "expert_quantization"
@@ -126,19 +127,12 @@ class QuantizedExperts(nn.Module):
         """Expert-choice routing (training only): the dequantized weights through the batched path of `Experts`.
 
         Args: hidden_states [N, H]; expert_index [E, C] token ids; expert_weights [E, C]. Returns [N, H]."""
-        weights = self.dequantized(hidden_states.dtype)
-        e, c = expert_index.shape
-        x = hidden_states.index_select(0, expert_index.reshape(-1)).view(e, c, -1)
-        h = torch.bmm(x, weights[self.up_name].transpose(1, 2))
-        b1 = getattr(self, f"{self.up_name}_bias")
-        if b1 is not None:
-            h = h + b1.to(h.dtype).unsqueeze(1)
-        a = reference.expert_act(h.reshape(e * c, -1), None, self.activation, self.has_gate).view(e, c, -1)
-        y = torch.bmm(a, weights["down_proj"].transpose(1, 2))
-        if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias.to(y.dtype).unsqueeze(1)
-        y = y * expert_weights.to(y.dtype).unsqueeze(-1)
-        return hidden_states.new_zeros(hidden_states.shape).index_add(0, expert_index.reshape(-1), y.reshape(e * c, -1))
+        dtype = hidden_states.dtype
+        weights = self.dequantized(dtype)
+        b1, b2 = getattr(self, f"{self.up_name}_bias"), self.down_proj_bias
+        return batched_expert_choice(hidden_states, expert_index, expert_weights, weights[self.up_name],
+                                     None if b1 is None else b1.to(dtype), weights["down_proj"],
+                                     None if b2 is None else b2.to(dtype), self.activation, self.has_gate)
 
     def extra_repr(self) -> str:
         scales = "per channel" if self.group_size is None else f"groups of {self.group_size}"
