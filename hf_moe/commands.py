@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 
 _OPTION_FLAGS = (
@@ -145,8 +144,7 @@ def _export(args) -> None:
 def _generate(args) -> None:
     import torch
 
-    from .checkpoint import load_tokenizer, reading
-    from .checkpoint.checks import read_config as checkpoint_config
+    from .checkpoint import checkpoint_config, load_tokenizer, reading
     from .layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
     from .modeling import MoEForCausalLM
     from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
@@ -160,7 +158,7 @@ def _generate(args) -> None:
         raise ValueError("--quantize quantizes experts held in memory; to offload int8 experts, save the model "
                            "with hf_moe.save_quantized and pass that directory with --offload-experts.")
     with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
-        if checkpoint_config(Path(args.model)).get(QUANTIZATION_FIELD) is not None and not offload:
+        if getattr(checkpoint_config(args.model), QUANTIZATION_FIELD, None) is not None and not offload:
             model = load_quantized(args.model, dtype=options["dtype"]).eval()  # saved with int8 experts
         else:
             model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
