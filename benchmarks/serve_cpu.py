@@ -101,24 +101,12 @@ def python_worker(engine: str, directory: str, precision: str, args) -> Worker:
     return Worker(cmd, f"{engine} {precision}", env=env)
 
 
-def int8_available() -> bool:
-    """Whether this hf_moe has weight-only int8 experts (`quantize_experts`)."""
-    import importlib.util
-
-    import hf_moe
-
-    return hasattr(hf_moe, "quantize_experts") or importlib.util.find_spec("hf_moe.quantize") is not None
-
-
 def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[str, Worker, list[str]]]:
     """(label, worker, modes) of every contestant of one precision."""
     workers = []
     for engine in ("hf_moe", "native"):
         if engine == "native" and precision == "int8":
             continue  # transformers' MoE models have no int8 experts (torchao and quanto quantize nn.Linear only)
-        if engine == "hf_moe" and precision == "int8" and not int8_available():
-            print("NOTE: hf_moe int8 skipped: this hf_moe has no quantize_experts yet.", file=sys.stderr, flush=True)
-            continue
         if engine in args.engines:
             workers.append((f"{engine} {precision}", python_worker(engine, dirs[engine], precision, args),
                             list(args.modes)))

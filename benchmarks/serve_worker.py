@@ -58,21 +58,6 @@ class Timestamps:
         pass
 
 
-def quantize_experts(model, method: str):
-    """hf_moe's weight-only int8 experts (`hf_moe.quantize_experts`, or `hf_moe.quantize` before it is exported)."""
-    import importlib
-
-    import hf_moe
-
-    quantize = getattr(hf_moe, "quantize_experts", None)
-    if quantize is None:
-        try:
-            quantize = importlib.import_module("hf_moe.quantize").quantize_experts
-        except (ImportError, AttributeError):
-            raise SystemExit("int8: this hf_moe has no quantize_experts") from None
-    return quantize(model, method)
-
-
 def load(args):
     import hf_moe  # noqa: F401  (registers the hf_moe model type)
     from transformers import AutoModelForCausalLM
@@ -89,7 +74,7 @@ def load(args):
                           offload_folder=args.offload_folder)
         model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype=dtype, **kwargs)
         if args.precision == "int8":
-            quantize_experts(model, "int8")
+            hf_moe.quantize_experts(model, "int8")
     else:
         kwargs = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
         if args.precision == "int8":
