@@ -145,6 +145,37 @@ def declare_sharded_at_load(model) -> None:
 # AutoModelForCausalLM.from_config calls.
 
 # --------------------------------------------------------------------------------------------------------------
+# triton (optional, imported on use): its interpreter with numpy 2.4 and newer
+# --------------------------------------------------------------------------------------------------------------
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string ("3.6.0+git..." -> (3, 6))."""
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run hf_moe's kernels with the installed triton and numpy, or None.
+
+    numpy 2.4 refuses `int()` of an array with dimensions; triton's interpreter (before 3.7) converts a loop bound
+    held in a tensor that way, so every kernel loop with a run-time bound fails (triton-lang/triton#9171, fixed by
+    #9172). Read from the installed versions, without importing either."""
+    import importlib.metadata
+
+    try:
+        triton, numpy = importlib.metadata.version("triton"), importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if _release(triton) < (3, 7) and _release(numpy) >= (2, 4):
+        return (f"triton {triton}'s interpreter cannot run kernel loops with numpy {numpy} (numpy 2.4 refuses int() "
+                "of an array; triton-lang/triton#9171, fixed in triton 3.7): install numpy<2.4 (or triton>=3.7) to "
+                "run the kernels under TRITON_INTERPRET=1; on a GPU the kernels are compiled, and this does not matter")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
 # triton (optional, imported on use): compiling kernels for a GPU target without a GPU (hf_moe/ops/triton/aot.py)
 # --------------------------------------------------------------------------------------------------------------
 def TritonASTSource(kernel, signature, constexprs, attrs):  # noqa: N802
@@ -205,5 +236,6 @@ __all__ = [
     "remove_tied_weights_from_state_dict",
     "trainer_supports_sharded_models",
     "triton_cuobjdump",
+    "triton_interpreter_problem",
     "triton_kernel_params",
 ]
