@@ -117,6 +117,15 @@ def test_ep_x_fsdp2_gradients_clipping_and_steps_equal_single_process(parallel_r
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_expert_parallelism_under_autocast_computes_as_one_process(parallel_runs):
+    """Under bf16 CPU autocast (fp32 weights, as Trainer(bf16=True)), EP 2's experts cast as the single-process path
+    does: the logits and loss of each process's micro-batch equal one process's exactly, the gradients to bf16's
+    precision. On ffb5e1a the dispatch bypassed the cast and ran the experts in fp32: the logits differed."""
+    _assert_passed(parallel_runs["two"], "under bf16 autocast the experts compute as on one process")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_expert_parallel_then_fully_shard_by_hand_is_correct(parallel_runs):
     """The user's recipe (hf_moe.expert_parallel, then fully_shard per layer and on the root with FSDP2's default
     mesh) gives single-process gradients; torch's clip refuses the two meshes with an error, Accelerate's (which
