@@ -3,14 +3,13 @@
 Each `Experts` module becomes its own FSDP2 unit, on the ("dp", "ep") mesh (see mesh.py):
 
     parameter    DTensor [E, ...] on the "ep" sub-mesh, Shard(0), before FSDP: block p of E / P experts on "ep"
-    stored       `fully_shard` over the "dp" sub-mesh shards each block: on dim 0 (whole experts per process) when the
-                 block's experts
-                 divide evenly over "dp", else on dim 1 (a slice of every expert of the block; as torchtitan does),
-                 so that memory falls as 1 / world size even with fewer experts per block than "dp" processes. The
-                 stored parameter is a DTensor on the whole ("dp", "ep") mesh (FSDP2 joins the two sub-meshes,
-                 placements (Shard or _StridedShard over "dp", Shard(0) over "ep")), the mesh of every other
-                 parameter. (This is FSDP2's composition with tensor parallelism, in every torch hf_moe supports;
-                 torch 2.13's `dp_mesh_dims=` says the same on the whole mesh, and is not needed.)
+    stored       `fully_shard` over the "dp" sub-mesh shards each block: on dim 0 (whole experts per process) when
+                 the block's experts divide evenly over "dp", else on dim 1 (a slice of every expert of the block;
+                 as torchtitan does), so that memory falls as 1 / world size even with fewer experts per block than
+                 "dp" processes. FSDP2 joins the two sub-meshes: the stored parameter is a DTensor on the whole
+                 ("dp", "ep") mesh, the mesh of every other parameter, placed (Shard or _StridedShard, Shard(0)).
+                 This is FSDP2's composition with tensor parallelism, in torch 2.11 and newer (torch 2.13's
+                 `fully_shard(..., dp_mesh_dims=...)` on the whole mesh would do the same, and only there).
     forward      FSDP2 all-gathers the block over "dp"; the dispatch (dispatch.py) computes with `param.to_local()`
     gradient     the local block's gradient sums the contributions of the P ranks of the row (the all_to_all's
                  backward); FSDP2 reduce-scatters it over "dp" and divides by the world size, so it is the gradient
@@ -72,8 +71,8 @@ def shard_experts(experts: nn.Module, plan: ExpertParallelPlan, *, holds_block: 
     )
     experts.set_gradient_divide_factor(plan.world_size)  # the mean over all processes, not over "dp" only
     if plan.mesh.device_type == "cpu" and plan.dp_size > 1:
-        # gloo has no PREMUL_SUM: sum, then divide. Not with a "dp" of one process: FSDP2 (torch 2.13) then copies
-        # the gradient divided by the factor and divides it by the factor again.
+        # gloo has no PREMUL_SUM: sum, then divide. Not with a "dp" of one process: FSDP2 (torch 2.11 to 2.13) then
+        # copies the gradient divided by the factor and divides it by the factor again.
         experts.set_force_sum_reduction_for_comms(True)
 
 
