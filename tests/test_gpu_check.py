@@ -225,3 +225,13 @@ def test_first_light_when_hf_moe_does_not_import(tmp_path):
     assert _files(out) == ["first_light.log", "report.md"]
     report = (out / "report.md").read_text()
     assert "`import hf_moe` failed" in report and "a torch that cannot be imported (simulated)" in report
+
+
+def test_a_cut_short_pytest_run_still_counts_what_it_finished():
+    from hf_moe.gpu_check.steps import _summary_line
+
+    done = "tests/test_triton.py::test_a PASSED [ 50%]\n=========== 1 passed, 1 failed in 3.2s ===========\n"
+    assert _summary_line(done) == "1 passed, 1 failed in 3.2s"
+    cut = "tests/test_triton.py::test_a PASSED [ 10%]\ntests/test_triton.py::test_b[x] FAILED [ 20%]\n(timed out)"
+    assert _summary_line(cut) == "cut short; so far 1 passed, 1 failed"
+    assert _summary_line("collecting ...") == "no test finished"
