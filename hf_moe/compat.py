@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
 
-# The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends).
+# The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends). The
+# oldest are the lent GPU's image (scripts/test_oldest.sh; docs/backends.md): torch 2.11, triton 3.6, Python 3.12.
 TESTED = {
     "transformers": ("5.17.0", "5.24.0"),
-    "torch": ("2.13.0", "2.13.0"),
+    "torch": ("2.11.0", "2.13.0"),
+    "triton": ("3.6.0", "3.9.0"),
     "accelerate": ("1.15.0", "1.15.0"),
     "safetensors": ("0.8.0", "0.8.0"),
 }

@@ -763,7 +763,8 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_torch(monkeypatch):
     with pytest.warns(RuntimeWarning, match="failed to compile.*HF_MOE_BACKEND=torch") as caught:
         got = _layer(experts, x, index, weights.float(), "triton")
         again = _layer(experts, x, index, weights.float(), "triton")
-    assert {w.message.args[0].split(" failed")[0] for w in caught} == {
+    # (only hf_moe's warnings: triton 3.6's interpreter adds numpy's DeprecationWarning on every loop bound)
+    assert {w.message.args[0].split(" failed")[0] for w in caught if w.category is RuntimeWarning} == {
         "hf_moe: the Triton kernel of grouped_mm", "hf_moe: the Triton kernel of grouped_mm_weight_grad"}
     assert set(triton_ops.fell_back) == {"grouped_mm", "grouped_mm_weight_grad"}
     want = _layer(experts, x, index, weights.float(), "torch")
