@@ -63,6 +63,7 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
     `stop_after(step)`: True to skip the remaining steps (said so in each)."""
     deadline = time.monotonic() + budget
     stopped = ""
+    (report.out / "logs.txt").write_text("")  # this run's output only
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         for index, spec in enumerate(specs):
             number = index + 1
@@ -110,11 +111,18 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
         step.summary = f"timed out after {limit:.0f} s" + (f"; so far: {step.summary}" if step.summary else "")
     elif status != 0 or step.status == RUNNING:
         step.status = FAILED
-        how = f"exit status {status}" + (f" (signal {signal.Signals(-status).name})" if status < 0 else "")
+        how = f"exit status {status}" + (f" (signal {_signal_name(-status)})" if status < 0 else "")
         step.summary = f"the step's process died: {how}" + (f"; so far: {step.summary}" if step.summary else "")
     if step.status != PASSED or not step.detail:
         step.detail += f"\n\nThe step's output (last lines):\n\n{code_block(text, 6000)}"
     return step
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _kill_group(pid: int) -> None:
