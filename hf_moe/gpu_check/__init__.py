@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     def cannot_run(step) -> bool:  # the environment step found that Triton cannot run here (no GPU, say)
         return step.data.get("runnable") is False
 
-    run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0, stop_after=cannot_run)
+    run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0, stop_after=cannot_run,
+              numbers=[STEPS.index(spec) + 1 for spec in specs])  # a step keeps its number when others are left out
     failed = [f"{s.number}. {s.name}" for s in report.steps if s.status == FAILED]
     for step, op, err in report.fallbacks():
         print(f"[gpu_check] Triton op {op} fell back to torch in step {step.number} ({step.name}): {err}", flush=True)

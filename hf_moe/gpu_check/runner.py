@@ -58,15 +58,16 @@ def plan_limit(specs: list[StepSpec], index: int, left: float, scale: float = 1.
 
 
 def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool, env: dict[str, str],
-              scale: float = 1.0, stop_after=None) -> Report:
+              scale: float = 1.0, stop_after=None, numbers: list[int] | None = None) -> Report:
     """Run each spec in a child within `budget` seconds, adding its Step to `report` (written after each).
-    `stop_after(step)`: True to skip the remaining steps (said so in each)."""
+    `stop_after(step)`: True to skip the remaining steps (said so in each). `numbers`: the steps' numbers in the
+    report (default 1, 2, ...)."""
     deadline = time.monotonic() + budget
     stopped = ""
     (report.out / "logs.txt").write_text("")  # this run's output only
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         for index, spec in enumerate(specs):
-            number = index + 1
+            number = numbers[index] if numbers else index + 1
             left = deadline - time.monotonic()
             limit = plan_limit(specs, index, left, scale)
             if stopped or limit < spec.least:
@@ -98,7 +99,7 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
         except subprocess.TimeoutExpired:
             status = None
         finally:
-            _kill_group(child.pid)  # whatever the step started (pytest, torchrun, ...) goes with it
+            kill_group(child.pid)  # whatever the step started (pytest, torchrun, ...) goes with it
             child.wait()
     seconds = time.monotonic() - start
     text = output.read_text(errors="replace")
@@ -125,7 +126,8 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group `pid` leads (a child started with start_new_session=True), if it is still there."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

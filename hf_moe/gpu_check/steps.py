@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .record import FAILED, PASSED, SKIPPED, code_block, triton_fallbacks
-from .runner import ROOT
+from .runner import ROOT, kill_group
 
 TRITON_TESTS = ROOT / "tests" / "test_triton.py"
 # On a GPU: every test of tests/test_triton.py but the AOT compiles (a real GPU compiles for real) and the two that
@@ -43,10 +42,7 @@ def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int |
             status = process.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             status = None
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(process.pid)  # what the command started goes with it
         process.wait()
         out.seek(0)
         text = out.read()
