@@ -11,8 +11,9 @@ and runs in any process that has done `import hf_moe`, whichever backend traced 
     hf_moe_torch::   the pure-torch loops over row groups (reference.py, defined when it is imported)
     hf_moe_triton::  the Triton ops (triton/ops.py: defined without importing triton, which runs when an op does)
 
-Each op has a fake kernel (its shapes, for `torch.compile` and `torch.export`) and, where it can appear in a
-forward, a backward formula of its own (autograd.py).
+Each op has a fake kernel (its shapes, for `torch.compile` and `torch.export`), where it can appear in a forward, a
+backward formula of its own (autograd.py), and a decomposition into standard ATen ops, which `torch.onnx.export`
+applies to a program that holds it (decompositions.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .reference import (
     expert_act, expert_act_backward, grouped_mm, grouped_mm_weight_grad, permute, sort_by_expert, unpermute,
 )
 from .autograd import register_composable, register_experts
+from .decompositions import register as register_decompositions
 from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
 from .extension import backend_setting, load_extension
 from .infer import infer_fake
@@ -162,3 +164,5 @@ for _name, _schema in SCHEMAS.items():
 _register_fake_kernels()
 register_experts(f"{NAMESPACE}::moe_experts_forward", torch.ops.hf_moe.moe_experts_backward)
 register_composable(NAMESPACE)
+for _namespace in (NAMESPACE, "hf_moe_torch", "hf_moe_triton"):  # what every exporter translates (decompositions.py)
+    register_decompositions(_namespace)
