@@ -31,7 +31,7 @@ import torch
 from ..compat import register_decomposition
 from . import dense
 from .experts import DispatchOps, composed_backward
-from .int8 import dequantize_int8
+from .int8 import compute_weights
 from .reference import expert_act, expert_act_backward, permute, sort_by_expert, unpermute
 
 
@@ -99,26 +99,15 @@ def moe_experts_backward(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_e
 def moe_experts_infer(x, top_k_index, top_k_weights, w1, w1_scale, b1, w2, w2_scale, b2, activation, glu,
                       kernels="auto"):
     """`moe_experts_infer` [N, H] -> [N, H]: int8 weights dequantized (int8.py), then the dense forward."""
-    def weight(w, scale):
-        return dequantize_int8(w, scale, x.dtype) if w.dtype == torch.int8 else w.to(x.dtype)
-
-    b1 = None if b1 is None else b1.to(x.dtype)
-    b2 = None if b2 is None else b2.to(x.dtype)
-    return dense.experts_forward(x, top_k_index, top_k_weights, weight(w1, w1_scale), b1, weight(w2, w2_scale), b2,
-                                 activation, glu)
+    w1, b1, w2, b2 = compute_weights(x.dtype, w1, w1_scale, b1, w2, w2_scale, b2)
+    return dense.experts_forward(x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
 
 
+# op name -> its decomposition. reference.py's pure-torch ops are traceable as they are: their own decompositions.
 DECOMPOSITIONS = {
-    "sort_by_expert": sort_by_expert,
-    "permute": permute,
-    "unpermute": unpermute,
-    "grouped_mm": grouped_mm,
-    "grouped_mm_weight_grad": grouped_mm_weight_grad,
-    "expert_act": expert_act,
-    "expert_act_backward": expert_act_backward,
-    "moe_experts_forward": moe_experts_forward,
-    "moe_experts_backward": moe_experts_backward,
-    "moe_experts_infer": moe_experts_infer,
+    **{op.__name__: op for op in (sort_by_expert, permute, unpermute, expert_act, expert_act_backward)},
+    **{op.__name__: op for op in (grouped_mm, grouped_mm_weight_grad, moe_experts_forward, moe_experts_backward,
+                                  moe_experts_infer)},
 }
 
 

@@ -30,7 +30,7 @@ from .decompositions import register as register_decompositions
 from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
 from .extension import backend_setting, load_extension
 from .infer import infer_fake
-from .int8 import dequantize_int8
+from .int8 import compute_weights
 from .triton import ops as triton_ops  # noqa: F401  (defines the hf_moe_triton ops)
 
 NAMESPACE = "hf_moe"
@@ -66,14 +66,8 @@ def reference_infer(x, top_k_index, top_k_weights, w1, w1_scale, b1, w2, w2_scal
                     kernels="auto"):
     """`hf_moe::moe_experts_infer` in pure torch: int8 weights dequantized to the activations' dtype (the kernel's
     reference, int8.py), then `moe_experts_forward`'s reference. [N, H] -> [N, H]."""
-    def weight(w, scale):
-        return dequantize_int8(w, scale, x.dtype) if w.dtype == torch.int8 else w.to(x.dtype)
-
-    b1 = None if b1 is None else b1.to(x.dtype)
-    b2 = None if b2 is None else b2.to(x.dtype)
-    out = reference_forward(x, top_k_index, top_k_weights, weight(w1, w1_scale), b1, weight(w2, w2_scale), b2,
-                            activation, glu, False)
-    return out[0]
+    w1, b1, w2, b2 = compute_weights(x.dtype, w1, w1_scale, b1, w2, w2_scale, b2)
+    return reference_forward(x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, False)[0]
 
 
 TORCH_KERNELS = {
