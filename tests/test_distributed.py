@@ -185,7 +185,8 @@ def test_accelerate_ddp_loop_with_expert_parallelism(tmp_path):
     """The plain Accelerate loop (tests/dist/accelerate_ddp.py): from_pretrained(expert_parallel=True), then
     Accelerator(cpu=True).prepare(model, optimizer), DDP for the other parameters. On 2 processes (EP 2) and on 4
     (EP 4, and EP 2 x "dp" 2): every gradient equals single-process's over two micro-batches (the first under
-    accelerator.no_sync), accelerator.clip_grad_norm_ returns the single-process norm; save_state / load_state restore
+    accelerator.no_sync), each process holds 1 / world of the experts between forward and backward,
+    accelerator.clip_grad_norm_ returns the single-process norm; save_state / load_state restore
     every weight and AdamW state, and the 2-process state loads on 4 in both layouts. On ffb5e1a prepare dies in DDP's
     first broadcast ("aten.cat.default got mixed torch.Tensor and DTensor")."""
     two = torchrun("accelerate_ddp.py", 2, str(tmp_path)).stdout

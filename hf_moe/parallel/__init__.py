@@ -90,6 +90,11 @@ def _mark(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
         f"{name}.{param}" for name, module in model.named_modules() if module in experts
         for param, _ in module.named_parameters(recurse=False)
     ])
+    for module in experts:
+        # Under DDP each Experts unit is an FSDP2 root, which FSDP2 keeps gathered over "dp" from forward to backward:
+        # reshard it after forward, as it does under `parallelize` (a child unit), so the experts keep 1 / world of
+        # the memory during a step.
+        module.set_reshard_after_forward(True, recurse=False)
     return model
 
 

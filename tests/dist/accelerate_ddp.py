@@ -78,13 +78,18 @@ def prepared(path: Path, ep: int):
 
 
 def step(accelerator, model, optimizer, index: int) -> None:
-    """Two micro-batches, the first without DDP's gradient sync (gradient accumulation), clip, AdamW."""
+    """Two micro-batches, the first without DDP's gradient sync (gradient accumulation). Between forward and
+    backward each process holds only its 1 / WORLD of the experts (FSDP2 reshards them after forward)."""
     parts = 2 * WORLD
     for micro in (0, 1):
         ids = batch(index, 2 * RANK + micro, parts)
         context = accelerator.no_sync(model) if micro == 0 else torch.enable_grad()
         with context:
-            accelerator.backward(model(input_ids=ids, labels=ids).loss / 2)
+            loss = model(input_ids=ids, labels=ids).loss / 2
+            for layer in model.module.model.layers:
+                held = layer.mlp.experts.gate_up_proj.to_local().shape[0]
+                assert held == NUM_EXPERTS // WORLD, f"{held} experts held between forward and backward"
+            accelerator.backward(loss)
 
 
 def gradients_and_clipping(path: Path, ep: int, tag: str) -> None:
@@ -96,7 +101,7 @@ def gradients_and_clipping(path: Path, ep: int, tag: str) -> None:
     assert sorted(names) == sorted(grads), f"{tag}: parameter names differ"
     worst = max(assert_close(p.grad, grads[n], f"{tag}: gradient of {n}") for n, p in model.module.named_parameters())
     ok(f"every gradient equals single-process, accumulation included ({tag}; largest relative difference "
-       f"{worst:.1e})")
+       f"{worst:.1e}); 1 / {WORLD} of the experts held through the step")
     total = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
     assert_close(total, norm, f"{tag}: clip_grad_norm_")
     coefficient = min(1.0, MAX_NORM / (norm.item() + 1e-6))
