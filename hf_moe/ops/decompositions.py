@@ -7,7 +7,7 @@ translates, every op found in torch's decomposition table; `register` puts the f
 `hf_moe::` (library.py), `hf_moe_torch::` (reference.py) and `hf_moe_triton::` (triton/ops.py). Nothing changes
 for eager code, `torch.compile` or `torch.export`, which run the ops' own kernels; FakeTensor computes the output
 shapes of an op with symbolic sizes from its decomposition, so each one returns exactly the shapes, dtypes and
-(contiguous) layout of the op's kernels (tests/test_onnx.py checks both values and metadata, op by op).
+(contiguous) layout of the op's kernels (tests/test_decompositions.py checks values and metadata, op by op).
 
 Each function has the schema of its op, computes the same values (to float rounding), and is traceable with
 symbolic sizes: no host read, no loop whose trip count depends on the data, no stable sort (which ONNX lacks).
