@@ -4,11 +4,11 @@ on CPU (gloo):
     torchrun --nproc_per_node 2 tests/dist/accelerate_ddp.py OUT     # EP 2; saves OUT/state-2
     torchrun --nproc_per_node 4 tests/dist/accelerate_ddp.py OUT     # EP 4, and EP 2 x "dp" 2; loads OUT/state-2
 
-What a user writes: `Accelerator(cpu=True)` (on CPU; the process group is gloo), `MoEForCausalLM.from_pretrained(path, expert_parallel=True)`,
-`accelerator.prepare(model, optimizer)`, `accelerator.backward`, `accelerator.clip_grad_norm_`, and
-`accelerator.save_state` / `load_state` after `hf_moe.parallel.register_for_checkpointing`. The reference is one
-process computing the mean loss over every process's micro-batches. Every check raises on failure; rank 0 prints
-"OK <check>" for each one that passed.
+What a user writes: `Accelerator(cpu=True)` (on CPU; the process group is gloo),
+`MoEForCausalLM.from_pretrained(path, expert_parallel=True)`, `accelerator.prepare(model, optimizer)`,
+`accelerator.backward`, `accelerator.clip_grad_norm_`, and `accelerator.save_state` / `load_state` after
+`hf_moe.parallel.register_for_checkpointing`. The reference is one process computing the mean loss over every
+process's micro-batches. Every check raises on failure; rank 0 prints "OK <check>" for each one that passed.
 """
 
 from __future__ import annotations
