@@ -178,6 +178,29 @@ def triton_interpreter_problem() -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# torch: the decomposition table, and DDP's parameters-to-ignore convention
+# --------------------------------------------------------------------------------------------------------------
+def register_decomposition(op, fn) -> None:
+    """Put `fn` in torch's decomposition table as the decomposition of `op` (an OpOverload):
+    `torch._decomp.register_decomposition`, private. `torch.onnx.export` decomposes every op found there before it
+    translates a program (torch 2.11 to 2.13: `create_onnx_friendly_decomposition_table` chains
+    `torch._decomp.decomposition_table`); FakeTensor computes an op's outputs with symbolic sizes from it."""
+    from torch._decomp import register_decomposition as register
+
+    register(op)(fn)
+
+
+def ddp_ignore_parameters(module, names) -> None:
+    """Keep the parameters `names` (fully qualified in `module`) out of DistributedDataParallel's buckets and its
+    broadcasts, added to those `module` already lists: DDP reads `module._ddp_params_and_buffers_to_ignore` at
+    construction, set through its private static helper `_set_params_and_buffers_to_ignore_for_model`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = sorted(set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(names))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # triton (optional, imported on use): compiling kernels for a GPU target without a GPU (hf_moe/ops/triton/aot.py)
 # --------------------------------------------------------------------------------------------------------------
 def TritonASTSource(kernel, signature, constexprs, attrs):  # noqa: N802
@@ -227,6 +250,7 @@ __all__ = [
     "cache_kwargs",
     "can_set_experts_implementation",
     "convert_file_size_to_int",
+    "ddp_ignore_parameters",
     "declare_sharded_at_load",
     "default_apply_gate",
     "enable_activation_checkpointing",
@@ -235,6 +259,7 @@ __all__ = [
     "output_cache",
     "register_output_recording",
     "register_checkpoint_conversion_mapping",
+    "register_decomposition",
     "remove_tied_weights_from_state_dict",
     "trainer_supports_sharded_models",
     "triton_cuobjdump",

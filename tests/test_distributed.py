@@ -176,13 +176,12 @@ def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
     """MoETrainer checkpoints a parallelized model with DCP and resumes exactly; the plain Trainer is correct with
     weight-only checkpoints and refuses optimizer checkpoints at construction; MoETrainer refuses half-sharded
     models and TrainingArguments that miss processes; Accelerate's FSDP2 code path (forced on CPU) gives
-    single-process gradients and a correct full-state save; Accelerate's DDP refuses DTensor parameters. With
+    single-process gradients and a correct full-state save (Accelerate's DDP: test_accelerate_ddp_...). With
     transformers < 5.23 (the oldest supported, scripts/test_oldest.sh), whose Trainer would wrap a parallelized model
     in DDP, MoETrainer refuses one, naming the upgrade (on ffb5e1a it blamed a missing hf_moe.parallelize)."""
     if not trainer_supports_sharded_models():
         _assert_passed(parallel_runs["trainer"], "MoETrainer refuses a parallelized model on transformers")
-        _assert_passed(parallel_runs["two"], "Accelerate's FSDP2 plugin (forced) on an expert_parallel model",
-                       "Accelerate's DDP refuses an expert_parallel model (DTensor parameters)")
+        _assert_passed(parallel_runs["two"], "Accelerate's FSDP2 plugin (forced) on an expert_parallel model")
         return
     _assert_passed(
         parallel_runs["trainer"],
@@ -194,7 +193,35 @@ def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
     _assert_passed(
         parallel_runs["two"],
         "Accelerate's FSDP2 plugin (forced) on an expert_parallel model",
-        "Accelerate's DDP refuses an expert_parallel model (DTensor parameters)",
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accelerate_ddp_loop_with_expert_parallelism(tmp_path):
+    """The plain Accelerate loop (tests/dist/accelerate_ddp.py): from_pretrained(expert_parallel=True), then
+    Accelerator(cpu=True).prepare(model, optimizer), DDP for the other parameters. On 2 processes (EP 2) and on 4
+    (EP 4, and EP 2 x "dp" 2): every gradient equals single-process's over two micro-batches (the first under
+    accelerator.no_sync), each process holds 1 / world of the experts between forward and backward,
+    accelerator.clip_grad_norm_ returns the single-process norm; save_state / load_state restore
+    every weight and AdamW state, and the 2-process state loads on 4 in both layouts. On ffb5e1a prepare dies in DDP's
+    first broadcast ("aten.cat.default got mixed torch.Tensor and DTensor")."""
+    two = torchrun("accelerate_ddp.py", 2, str(tmp_path)).stdout
+    _assert_passed(
+        two,
+        "every gradient equals single-process, accumulation included (world 2, EP 2;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 2, EP 2)",
+        "accelerator.save_state / load_state restore every expert and its AdamW state (world 2)",
+    )
+    four = torchrun("accelerate_ddp.py", 4, str(tmp_path)).stdout
+    _assert_passed(
+        four,
+        "every gradient equals single-process, accumulation included (world 4, EP 4;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 4, EP 4)",
+        "every gradient equals single-process, accumulation included (world 4, EP 2 x dp 2;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 4, EP 2 x dp 2)",
+        "a save_state of 2 processes loads with EP 4 on 4",
+        "a save_state of 2 processes loads with EP 2 on 4",
     )
 
 

@@ -91,8 +91,9 @@ class MoETrainer(Trainer):
             )
         if plan is not None and not sharded and not self.is_fsdp_enabled:
             raise ValueError(
-                "The experts are sharded (hf_moe.expert_parallel) but the other parameters are not, and DDP cannot "
-                "wrap DTensor parameters. Call hf_moe.parallelize(model) to shard them with FSDP2, or launch with "
+                "The experts are sharded (hf_moe.expert_parallel) but the other parameters are not: Trainer would "
+                "wrap the model in DDP and save it from rank 0 alone, which holds only its own experts. Call "
+                "hf_moe.parallelize(model) to shard them with FSDP2, or launch with "
                 "Accelerate's FSDP2 plugin (accelerate launch --use_fsdp --fsdp_version 2 ...)."
             )
 
