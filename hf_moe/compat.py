@@ -200,6 +200,18 @@ def ddp_ignore_parameters(module, names) -> None:
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
+def allow_dtensor_unpickling() -> None:
+    """Let `torch.load(..., weights_only=True)` read DTensors sharded with `_StridedShard` (private), as FSDP2 over
+    an expert-parallel mesh makes them. torch 2.13 lists it among the safe globals it registers when
+    `torch.distributed.tensor` is imported; torch 2.11 lists the other placements only, so Accelerate's
+    `load_state` refused the optimizer file it had written itself."""
+    import torch
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if _StridedShard not in torch.serialization.get_safe_globals():
+        torch.serialization.add_safe_globals([_StridedShard])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # triton (optional, imported on use): compiling kernels for a GPU target without a GPU (hf_moe/ops/triton/aot.py)
 # --------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..compat import allow_dtensor_unpickling
 from .training_state import load_training_state, save_training_state
 
 STATE_DIR = "expert_parallel"
@@ -77,6 +78,7 @@ class _ExpertParallelState:
                 "with save_pretrained instead (MoEForCausalLM.from_pretrained(path, expert_parallel=True))."
             )
         models[i] = _LoadedLater()  # the weights come with the optimizer state, after Accelerate's files
+        allow_dtensor_unpickling()  # rank 0's optimizer file holds the experts' states, which Accelerate reads first
         self.loading_from = directory
 
     def state_dict(self) -> dict:
