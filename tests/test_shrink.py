@@ -265,8 +265,9 @@ def test_dynamic_skipping_marks_small_weights_in_eval_only_and_traces_in_one_gra
 def test_native_export_refuses_a_model_that_skips_experts():
     from hf_moe.export import export_problems
 
-    config = MoEConfig.from_base(tiny_dense("llama").config, num_experts=4, router_skip_threshold=0.2)
-    assert any("router_skip_threshold=0.2: native MoE models compute every chosen expert" in p
-               for p in export_problems(config))
-    config.router_skip_threshold = 0.0
+    config = MoEConfig.from_base(tiny_dense("llama").config, num_experts=4, decoder_layers_path="model.layers")
     assert export_problems(config) == []
+    config.router_skip_threshold = 0.2
+    assert export_problems(config) == [
+        "router_skip_threshold=0.2: native MoE models compute every chosen expert (no dynamic skipping). Set "
+        "config.router_skip_threshold=0 (an inference option) and export again."]

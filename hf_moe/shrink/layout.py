@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PreTrainedConfig
+from transformers import PreTrainedConfig
 
 from ..checkpoint import checkpoint_config, read_json
+from ..compat import CONFIG_MAPPING
 from ..configuration import MoEConfig
 from ..convert.stream import _SafetensorsSource
 
@@ -204,7 +205,7 @@ def open_layout(directory: str | Path) -> MoELayout:
     if model_type == MoEConfig.model_type:
         return _hf_moe_layout(directory)
     if model_type in NATIVE_FAMILIES:
-        return _native_layout(directory, model_type)
+        return _native_layout(directory, model_type, fields)
     raise ShrinkError(_not_moe(directory, model_type, fields))
 
 
@@ -233,9 +234,9 @@ def _hf_moe_layout(directory: Path) -> MoELayout:
                      config.moe_block_path, config.moe_block_path, list(config.moe_layers), tuple(names))
 
 
-def _native_layout(directory: Path, model_type: str) -> MoELayout:
+def _native_layout(directory: Path, model_type: str, fields: dict) -> MoELayout:
     family = NATIVE_FAMILIES[model_type]
-    config = AutoConfig.from_pretrained(directory)
+    config = CONFIG_MAPPING[model_type].from_dict(fields)  # from the file read through the guarded opener
     source = _SafetensorsSource(directory)
     routers = re.compile(rf"^(?P<layers>.+)\.(?P<layer>\d+)\.{re.escape(family.disk_block)}\.gate\.weight$")
     found = [(m["layers"], int(m["layer"])) for m in map(routers.match, source.entries) if m]
