@@ -223,10 +223,12 @@ def main() -> None:
     p.add_argument("--moe-steps", type=int, default=80, help="steps of the quickstart model's fine-tune")
     p.add_argument("--moe-lr", type=float, default=1e-4)
     p.add_argument("--only", choices=["data", "btx", "quickstart"], help="one stage only")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (on a shared, loaded machine one thread "
+                   "runs faster than two: two stall on their barriers)")
     args = p.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     names = write_splits(work)
     print(f"domains: {', '.join(names)}", flush=True)

@@ -243,10 +243,13 @@ def test_dynamic_skipping_is_off_by_default_and_threshold_one_is_top_1(moe_dir):
     assert torch.equal(_logits(skipping, ids), _logits(top1, ids))  # only the top expert, renormalised to 1
     full = MoEForCausalLM.from_pretrained(moe_dir)
     assert not torch.equal(_logits(full, ids), _logits(top1, ids))
+    off = MoEForCausalLM.from_pretrained(moe_dir, router_skip_threshold=0.0)
+    assert torch.equal(_logits(off, ids), _logits(full, ids))
     with pytest.raises(ValueError, match=r"router_skip_threshold must be in \[0, 1\]"):
         MoEConfig.from_base(tiny_dense("llama").config, num_experts=4, router_skip_threshold=1.5)
 
 
+@pytest.mark.slow
 def test_dynamic_skipping_marks_small_weights_in_eval_only_and_traces_in_one_graph(moe_dir):
     model = MoEForCausalLM.from_pretrained(moe_dir, router_skip_threshold=0.9)
     gate = model.model.layers[0].mlp.gate
@@ -271,3 +274,18 @@ def test_native_export_refuses_a_model_that_skips_experts():
     assert export_problems(config) == [
         "router_skip_threshold=0.2: native MoE models compute every chosen expert (no dynamic skipping). Set "
         "config.router_skip_threshold=0 (an inference option) and export again."]
+
+
+def test_a_classifier_checkpoint_stays_a_classifier(calib, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    dense = AutoModelForSequenceClassification.from_config(tiny_dense("llama", num_labels=3).config).eval()
+    model = hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.2)
+    model.save_pretrained(tmp_path / "cls")
+    tiny_tokenizer().save_pretrained(tmp_path / "cls")
+    hf_moe.shrink(tmp_path / "cls", tmp_path / "out", 4, "reconstruction", calib, progress=False)
+    shrunk = hf_moe.MoEForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert shrunk.config.architectures == ["MoELlamaForSequenceClassification"]
+    ids = random_ids()
+    assert torch.equal(_logits(shrunk, ids), _logits(model, ids))

@@ -26,13 +26,12 @@ from ..checkpoint import (
     load_tokenizer, reading, resolve_output_directory, same_directory, staging_directory, validate_checkpoint,
 )
 from ..convert.merge_layerwise import layerwise
-from ..modeling import MoEForCausalLM
 from .calibration import calibration_ids, min_tokens
 from .layer import LayerData, combine, expert_outputs, expert_params, is_sigmoid_router, make_block, route
 from .layer import router_state, select_rows
 from .layout import MoELayout, ShrinkError, open_layout
 from .merge import groups_for, logit_correlation, merge_layer
-from .output import ShrunkWriter
+from .output import ShrunkWriter, head_class
 from .select import METHODS, Choice, Reconstruction, frequency_subset, global_subset, random_subset
 
 SCOPES = ("layer", "global")
@@ -213,7 +212,7 @@ class _Run:
     def _forward(self, ids: torch.Tensor, writer: ShrunkWriter | None) -> None:
         layout = self.layout
         with init_empty_weights(include_buffers=False):
-            model = (MoEForCausalLM(layout.config) if not layout.is_native
+            model = (head_class(layout.config)(layout.config) if not layout.is_native
                      else AutoModelForCausalLM.from_config(layout.config))
         model.eval()
         bar = tqdm(total=len(layout.moe_layers), disable=not self.progress,

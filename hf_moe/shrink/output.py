@@ -27,7 +27,7 @@ from ..checkpoint.layout import _split_by_size, plan_shards
 from ..checkpoint.save import finish
 from ..compat import convert_file_size_to_int
 from ..convert.stream import _ShardWriter
-from ..modeling import MoEForCausalLM
+from ..modeling import HEADS, MoEForCausalLM
 from .layer import GATE
 from .layout import MoELayout
 
@@ -77,7 +77,7 @@ class ShrunkWriter:
         self.writer.close()
         source = self.layout.source
         with init_empty_weights():
-            model = MoEForCausalLM(config)
+            model = head_class(config)(config)
         model.to(source.float_dtype() if not isinstance(getattr(config, "dtype", None), torch.dtype)
                  else config.dtype)
         if (source.directory / "generation_config.json").is_file():
@@ -109,6 +109,12 @@ class ShrunkWriter:
     def _extra(self, staging: Path, report: dict) -> None:
         copy_files(self.layout.source.directory, TOKENIZER_FILES, staging, "the model")
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def head_class(config) -> type:
+    """The hf_moe head a checkpoint was saved from (config.architectures), causal LM by default."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    return next((h for h in HEADS if architecture.endswith(h.__name__.removeprefix("MoE"))), MoEForCausalLM)
 
 
 def _native_shards(metas: dict[str, torch.Tensor], max_bytes: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -64,14 +64,19 @@ class Reconstruction:
     def __init__(self, block, data: LayerData, state: dict[str, torch.Tensor], config_for: Callable[[int], object]):
         self.block, self.data, self.state, self.config_for = block, data, state, config_for
         self.norm = data.routed.double().pow(2).sum().item() or 1.0
+        self._routers = {}  # one router per expert count, its rows swapped per candidate (building one costs more)
 
     def output(self, rows: list[int], state: dict[str, torch.Tensor] | None = None,
                outputs: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] routed output of the layer cut to experts `rows` (router rows from `state` when given, the original
         ones otherwise; expert outputs [m, N, H] from `outputs` when given, the original experts' otherwise)."""
         e = self.data.num_experts
-        router = make_router(self.block, self.config_for(len(rows)),
-                             state if state is not None else select_rows(self.state, rows, e))
+        state = state if state is not None else select_rows(self.state, rows, e)
+        router = self._routers.get(len(rows))
+        if router is None:
+            router = self._routers[len(rows)] = make_router(self.block, self.config_for(len(rows)), state)
+        else:
+            router.load_state_dict(state, strict=True, assign=True)
         index, weights, _ = route(router, self.data.x)
         if outputs is not None:
             return combine(outputs, index, weights)
