@@ -289,3 +289,21 @@ def test_a_classifier_checkpoint_stays_a_classifier(calib, tmp_path):
     assert shrunk.config.architectures == ["MoELlamaForSequenceClassification"]
     ids = random_ids()
     assert torch.equal(_logits(shrunk, ids), _logits(model, ids))
+
+
+def test_an_aux_free_router_keeps_its_saved_bias(calib, tmp_path):
+    """The selection bias is a buffer, not a parameter: it is read from the checkpoint, used, and cut with the rows."""
+    torch.manual_seed(0)
+    model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.2, router_type="aux_free")
+    for layer in model.model.layers:
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
+    model.save_pretrained(tmp_path / "src")
+    tiny_tokenizer().save_pretrained(tmp_path / "src")
+    hf_moe.shrink(tmp_path / "src", tmp_path / "all", 4, "reconstruction", calib, progress=False)
+    ids = random_ids()
+    assert torch.equal(_logits(MoEForCausalLM.from_pretrained(tmp_path / "all"), ids), _logits(model, ids))
+    result = hf_moe.shrink(tmp_path / "src", tmp_path / "two", 2, "reconstruction", calib, progress=False)
+    shrunk = MoEForCausalLM.from_pretrained(tmp_path / "two")
+    kept = result.layers[0].kept
+    assert torch.equal(shrunk.model.layers[0].mlp.gate.e_score_correction_bias,
+                       torch.tensor([0.3, -0.2, 0.1, -0.4])[kept])

@@ -120,8 +120,8 @@ def shrink(
         new_top_k = min(layout.top_k, keep)
         _check_top_k(layout, new_top_k)
         if new_top_k < layout.top_k:
-            warnings.warn(f"top-k lowered from {layout.top_k} to {new_top_k}: only {keep} expert{'s' if keep > 1 else ''} left per layer.",
-                          stacklevel=2)
+            left = f"{keep} expert{'s' if keep > 1 else ''}"
+            warnings.warn(f"top-k lowered from {layout.top_k} to {new_top_k}: only {left} left per layer.", stacklevel=2)
         ids = None
         if method != "random":
             if data is None:
@@ -133,7 +133,7 @@ def shrink(
         result = ShrinkResult(resolve_output_directory(out, "Cannot write the shrunk model to"), layout.kind, method,
                               scope, layout.num_experts, keep, layout.top_k, new_top_k,
                               calibration_tokens=0 if ids is None else ids.numel())
-        run = _Run(layout, keep, new_top_k, method, seed, progress)
+        run = _Run(layout, keep, method, seed, progress)
         with staging_directory(result.path) as staging, ShrunkWriter(layout, staging, keep, max_shard_size) as writer:
             writer.copy_unchanged()
             if scope == "global":
@@ -167,10 +167,11 @@ def _check_top_k(layout: MoELayout, top_k: int) -> None:
 class _Run:
     """One pass over the MoE layers: each layer's choice (or, with `collect`, only its statistics)."""
 
-    def __init__(self, layout: MoELayout, keep: int, top_k: int, method: str, seed: int, progress: bool):
-        self.layout, self.keep, self.top_k, self.method, self.progress = layout, keep, top_k, method, progress
+    def __init__(self, layout: MoELayout, keep: int, method: str, seed: int, progress: bool):
+        self.layout, self.keep, self.method, self.progress = layout, keep, method, progress
         self.generator = torch.Generator().manual_seed(seed)
         self.seed = seed
+        self.dtype = layout.source.float_dtype()  # what the checkpoint stores
         self.fixed: dict | None = None  # global scope: {"kept": [...], "groups": {...}} for every layer
         self.collect = False  # first pass of global scope: statistics only
         self.stats: dict[int, dict] = {}
@@ -267,9 +268,9 @@ class _Run:
             self.stats[layer] = self._statistics(block, data, state)
             return None
         kept_state, kept_params, choice = self._choose(block, data, state, params)
-        dtype = layout.source.float_dtype()  # what the checkpoint stores: the next layers see what it will compute
-        kept_state = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in kept_state.items()}
-        kept_params = {k: v.to(dtype).float() for k, v in kept_params.items()}
+        # rounded as the checkpoint stores them: the next layers see what the shrunk model will compute
+        kept_state = {k: v.to(self.dtype).float() if v.is_floating_point() else v for k, v in kept_state.items()}
+        kept_params = {k: v.to(self.dtype).float() for k, v in kept_params.items()}
         self.choices[layer] = choice
         writer.write_layer(layer, kept_state, kept_params)
         if self.keep == e:
@@ -307,7 +308,7 @@ class _Run:
         return stats
 
     def _choose(self, block, data: LayerData, state, params) -> tuple[dict, dict, Choice]:
-        """(router state, expert tensors, the choice) of the kept experts."""
+        """(router state, expert tensors, the choice) of the kept experts (random never runs the model)."""
         e = self.layout.num_experts
         fixed = self.fixed
         if self.method == "merge":
@@ -321,10 +322,8 @@ class _Run:
             choice = Choice(fixed["kept"])
         elif self.method == "reconstruction":
             choice = Reconstruction(block, data, state, self.config_for).best(self.keep)
-        elif self.method == "frequency":
-            choice = Choice(frequency_subset(data.usage(), self.keep))
         else:
-            choice = Choice(random_subset(e, self.keep, self.generator))
+            choice = Choice(frequency_subset(data.usage(), self.keep))
         if fixed and self.method == "reconstruction":
             choice.error = Reconstruction(block, data, state, self.config_for).error(choice.kept)
         index = torch.tensor(choice.kept)
