@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     shrink.add_argument("model", help="an hf_moe checkpoint, or a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directory")
     shrink.add_argument("out", help="output directory (the same kind of checkpoint)")
     shrink.add_argument("--keep", type=int, required=True, help="experts kept in every MoE layer")
-    shrink.add_argument("--method", default="reconstruction", choices=["reconstruction", "merge", "frequency", "random"],
+    shrink.add_argument("--method", default="reconstruction",
+                        choices=["reconstruction", "merge", "frequency", "random"],
                         help="reconstruction: the subset that reproduces each layer's output best (default); merge: "
                         "the others merged into it where that helps; frequency: the most routed; random: the baseline")
     shrink.add_argument("--data", help="calibration text: .txt, or .json/.jsonl with a text field (all methods but "

@@ -332,8 +332,9 @@ def _plan(args) -> None:
 
 
 COMMANDS = {
-    "convert": _convert, "merge": _merge, "shrink": _shrink, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan,
+    "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan,
     "generate": _generate,
+    "shrink": _shrink,
 }
 
 

@@ -111,7 +111,8 @@ def test_native_output_loads_in_transformers_and_generates(tmp_path, calib, mode
     result = hf_moe.shrink(source, tmp_path / "out", 3, "merge", calib, progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(model).__name__ == type(AutoModelForCausalLM.from_pretrained(source)).__name__
-    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 3 == model.model.layers[0].mlp.gate.weight.shape[0]
+    block = model.model.layers[0].mlp
+    assert block.experts.gate_up_proj.shape[0] == 3 == block.gate.weight.shape[0]
     assert len(result.layers) == 2
     assert model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False).shape == (1, 7)
     if model_type == "qwen2_moe":  # the shared expert stays as it is

@@ -121,7 +121,8 @@ def shrink(
         _check_top_k(layout, new_top_k)
         if new_top_k < layout.top_k:
             left = f"{keep} expert{'s' if keep > 1 else ''}"
-            warnings.warn(f"top-k lowered from {layout.top_k} to {new_top_k}: only {left} left per layer.", stacklevel=2)
+            warnings.warn(f"top-k lowered from {layout.top_k} to {new_top_k}: only {left} left per layer.",
+                          stacklevel=2)
         ids = None
         if method != "random":
             if data is None:

@@ -31,7 +31,10 @@ def read_texts(path: str | os.PathLike) -> list[str]:
     if kind == ".txt":
         return [raw]
     try:
-        records = [json.loads(line) for line in raw.splitlines() if line.strip()] if kind == ".jsonl" else json.loads(raw)
+        if kind == ".jsonl":
+            records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        else:
+            records = json.loads(raw)
     except json.JSONDecodeError as err:
         raise ShrinkError(f"{path} is not valid {kind[1:].upper()}: {err}.") from None
     records = records if isinstance(records, list) else [records]

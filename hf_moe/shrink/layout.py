@@ -212,8 +212,8 @@ def open_layout(directory: str | Path) -> MoELayout:
 def _not_moe(directory: Path, model_type, fields: dict) -> str:
     if any(k in fields for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")):
         families = ", ".join(NATIVE_FAMILIES)
-        return (f"{directory} is a `{model_type}` MoE model, which `hf-moe shrink` does not read yet: it shrinks hf_moe "
-                f"checkpoints and transformers' {families}.")
+        return (f"{directory} is a `{model_type}` MoE model, which `hf-moe shrink` does not read yet: it shrinks "
+                f"hf_moe checkpoints and transformers' {families}.")
     return (f"{directory} is not a Mixture-of-Experts model (model_type {model_type!r} has no experts): there is "
             "nothing to shrink. Make it an MoE first with `hf-moe convert` (or `hf-moe merge`).")
 

@@ -83,7 +83,8 @@ class ShrunkWriter:
         if (source.directory / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_dict(
                 read_json(source.directory, "generation_config.json", "the model"))
-        finish(model, self.staging, target, [self.writer.weight_map], extra=lambda staging: self._extra(staging, report))
+        finish(model, self.staging, target, [self.writer.weight_map],
+               extra=lambda staging: self._extra(staging, report))
 
     def finish_native(self, config_fields: dict, target: Path, report: dict) -> None:
         """The source's config.json with `config_fields` changed, the index where there are several files, the
