@@ -372,8 +372,9 @@ def main() -> None:
                      args.calibration_tokens)
     native_round_trip(runs, work, calib, tokenizer)
     text = tables(runs, list(models), keeps, seeds)
-    text += (f"\n{torch.__version__=}, {torch.get_num_threads()} threads; this run "
-             f"{math.ceil(time.perf_counter() - start)}s (measurements already in {runs.path.name} were not repeated).\n")
+    seconds = math.ceil(time.perf_counter() - start)
+    text += (f"\n{torch.__version__=}, {torch.get_num_threads()} threads; this run {seconds}s (measurements already in "
+             f"{runs.path.name} were not repeated).\n")
     (out / "shrink.md").write_text(text)
     print(text)
 
