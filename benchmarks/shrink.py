@@ -151,7 +151,8 @@ def peak_rss_of_cli_shrink(runs: Runs, name: str, source: Path, work: Path, cali
             "print('PEAK_RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024); sys.exit(status)")
     cmd = [sys.executable, "-c", code, "shrink", str(source), str(out), "--keep", str(keep), "--data", str(calib),
            "--calibration-tokens", str(calibration_tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=7200, env=env)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     peak = int(next(line.split()[1] for line in done.stdout.splitlines() if line.startswith("PEAK_RSS")))
@@ -338,7 +339,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", help="where shrink_runs.jsonl and shrink.md go (default: the workdir)")
     p.add_argument("--smoke", action="store_true", help="tiny random models, a few seconds: that the script runs")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (one is steadier on a shared machine)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or work)

@@ -308,3 +308,14 @@ def test_an_aux_free_router_keeps_its_saved_bias(calib, tmp_path):
     kept = result.layers[0].kept
     assert torch.equal(shrunk.model.layers[0].mlp.gate.e_score_correction_bias,
                        torch.tensor([0.3, -0.2, 0.1, -0.4])[kept])
+
+
+def test_a_native_checkpoint_missing_an_expert_is_refused(tmp_path, calib):
+    from safetensors.torch import load_file, save_file
+
+    source = _native_dir(tmp_path, "mixtral")
+    tensors = load_file(f"{source}/model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, f"{source}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ShrinkError, match="no tensor model.layers.1.block_sparse_moe.experts.3.w2.weight"):
+        hf_moe.shrink(source, tmp_path / "out", 2, "random", progress=False)

@@ -248,10 +248,19 @@ def _native_layout(directory: Path, model_type: str, fields: dict) -> MoELayout:
     layers_path = found[0][0]
     layout = MoELayout(model_type, config, source, layers_path, "mlp", family.disk_block,
                        sorted(layer for _, layer in found), ("gate_up_proj", "down_proj"), family)
-    first = f"{layout.disk_prefix(layout.moe_layers[0])}experts.0.{family.gate}.weight"
-    if first not in source.entries:
-        raise ShrinkError(
-            f"{directory} has no per-expert key {first}: shrinking reads the per-expert layout that transformers' "
-            f"save_pretrained writes for {model_type}. Load the model and save it with transformers 5 first."
-        )
+    e = layout.num_experts
+    for layer in layout.moe_layers:
+        router = f"{layout.disk_prefix(layer)}gate.weight"
+        if source.entries[router].shape[0] != e:
+            raise ShrinkError(f"{directory}: {router} has {source.entries[router].shape[0]} rows, but config.json "
+                              f"says {family.experts_field}={e}: the checkpoint is inconsistent.")
+        for i in range(e):
+            for name in (family.gate, family.up, family.down):
+                key = f"{layout.disk_prefix(layer)}experts.{i}.{name}.weight"
+                if key not in source.entries:
+                    raise ShrinkError(
+                        f"{directory} has no tensor {key}: shrinking reads the per-expert layout that transformers' "
+                        f"save_pretrained writes for {model_type} (a fused or other layout: load the model and save "
+                        "it with transformers 5 first)."
+                    )
     return layout
