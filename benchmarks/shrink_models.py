@@ -39,6 +39,7 @@ BASE = "/work/models/smollm2-135m-instruct"
 UPCYCLED = "/work/models/smollm2-moe-8x2"
 DOMAIN_CHARS = 400_000  # characters read per domain
 CHUNK_CHARS = 2_000  # chunk i goes to calibration when i % 10 == 8, held-out when i % 10 == 9, training otherwise
+MIX_CHARS = 400  # the mixes of the eight domains alternate every MIX_CHARS characters (about 100 tokens)
 
 
 def _site_packages() -> Path:
@@ -154,8 +155,9 @@ def write_splits(work: Path) -> list[str]:
             (work / f"{name}.{kind}.txt").write_text(part)
             mixes[kind].append(part)
     for kind, parts in mixes.items():
-        # interleaved by chunk, so that any prefix of a mix holds every domain
-        chunks = [[p[i:i + CHUNK_CHARS] for i in range(0, len(p), CHUNK_CHARS)] for p in parts]
+        # interleaved in pieces of MIX_CHARS, so that any prefix of a mix (a calibration set of 2048 tokens) holds
+        # every domain
+        chunks = [[p[i:i + MIX_CHARS] for i in range(0, len(p), MIX_CHARS)] for p in parts]
         rows = [c[i] for i in range(max(map(len, chunks))) for c in chunks if i < len(c)]
         (work / f"{kind}-mix.txt").write_text("\n".join(rows))
     return names
