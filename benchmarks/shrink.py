@@ -193,9 +193,9 @@ def decode_speed(runs: Runs, name: str, source: Path, work: Path, calib: Path, k
     return record
 
 
-def skipping(runs: Runs, name: str, source: Path, batches) -> list[dict]:
+def skipping(runs: Runs, name: str, source: Path, batches, thresholds=THRESHOLDS) -> list[dict]:
     out = []
-    for threshold in THRESHOLDS:
+    for threshold in thresholds:
         key = f"{name}/skip/{threshold}"
         if not runs.get(key):
             model = hf_moe.MoEForCausalLM.from_pretrained(source, dtype=torch.float32,
@@ -337,6 +337,11 @@ def main() -> None:
     p.add_argument("--eval-tokens", type=int, default=512, help="held-out tokens per domain")
     p.add_argument("--repeats", type=int, default=5, help="rounds of the decode-speed comparison")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--methods", default=",".join(METHODS), help="methods besides random (a subset, to run in parts)")
+    p.add_argument("--thresholds", default=",".join(map(str, THRESHOLDS)),
+                   help="dynamic-skipping thresholds measured (0.0, the full model, is always measured)")
+    p.add_argument("--no-speed", action="store_true", help="skip the peak-memory and decode-speed measurements")
+    p.add_argument("--tables-only", action="store_true", help="measure nothing: the tables of what --out holds")
     p.add_argument("--out", help="where shrink_runs.jsonl and shrink.md go (default: the workdir)")
     p.add_argument("--smoke", action="store_true", help="tiny random models, a few seconds: that the script runs")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one is steadier on a shared machine)")
@@ -361,19 +366,22 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))
     torch.manual_seed(0)
     start = time.perf_counter()
-    for name, source in models.items():
+    for name, source in {} if args.tables_only else models.items():
         batches = eval_ids(work, tokenizer, args.eval_tokens)
-        skipping(runs, name, source, batches)
+        skipping(runs, name, source, batches, sorted({0.0, *(float(t) for t in args.thresholds.split(","))}))
         for keep in keeps:
-            for method in METHODS:
+            for method in [m for m in METHODS if m in args.methods.split(",")]:
                 shrink_and_measure(runs, name, source, work, batches, calib, keep, method, 0, args.calibration_tokens)
             for seed in seeds:
                 shrink_and_measure(runs, name, source, work, batches, calib, keep, "random", seed,
                                    args.calibration_tokens)
+        if args.no_speed:
+            continue
         peak_rss_of_cli_shrink(runs, name, source, work, calib, keeps[len(keeps) // 2], args.calibration_tokens)
         decode_speed(runs, name, source, work, calib, keeps, tokenizer, args.repeats, args.new_tokens,
                      args.calibration_tokens)
-    native_round_trip(runs, work, calib, tokenizer)
+    if not args.tables_only:
+        native_round_trip(runs, work, calib, tokenizer)
     text = tables(runs, list(models), keeps, seeds)
     seconds = math.ceil(time.perf_counter() - start)
     text += (f"\n{torch.__version__=}, {torch.get_num_threads()} threads; this run {seconds}s (measurements already in "

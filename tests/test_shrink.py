@@ -142,6 +142,22 @@ def test_global_scope_keeps_the_same_experts_in_every_layer(moe_dir, calib, tmp_
         assert len(kept) == 3 and all(k == kept[0] for k in kept) and len(kept[0]) == 2
 
 
+def test_random_is_the_seeded_baseline_and_top_k_is_lowered_and_said(moe_dir, tmp_path):
+    """random reads no text; a seed gives the same experts again, other seeds others; keep 1 of a top-2 model is
+    top-1, with a warning."""
+    def kept(seed, name):
+        with pytest.warns(UserWarning, match="top-k lowered from 2 to 1"):
+            result = hf_moe.shrink(moe_dir, tmp_path / name, 1, "random", seed=seed, progress=False)
+        return [c.kept for c in result.layers.values()]
+
+    first = kept(0, "a")
+    assert first == kept(0, "b") and all(len(k) == 1 for k in first)
+    assert any(kept(seed, f"s{seed}") != first for seed in (1, 2, 3))
+    model = MoEForCausalLM.from_pretrained(tmp_path / "a")
+    assert (model.config.num_experts, model.config.num_experts_per_tok) == (1, 1)
+    assert model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
 def test_the_cli_shrinks_and_reports(moe_dir, calib, tmp_path, capsys):
     assert cli(["shrink", moe_dir, str(tmp_path / "out"), "--keep", "3", "--method", "merge", "--data", calib]) == 0
     printed = capsys.readouterr().out
