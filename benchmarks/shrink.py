@@ -200,7 +200,8 @@ def skipping(runs: Runs, name: str, source: Path, batches, thresholds=THRESHOLDS
         if not runs.get(key):
             model = hf_moe.MoEForCausalLM.from_pretrained(source, dtype=torch.float32,
                                                           router_skip_threshold=threshold)
-            runs.add({"key": key, "model": name, "threshold": threshold, "loss": held_out_loss(model, batches),
+            runs.add({"key": key, "model": name, "threshold": threshold, "experts": model.config.num_experts,
+                      "loss": held_out_loss(model, batches),
                       "skipped": skipped_share(model, batches)})
         out.append(runs.get(key))
     return out
@@ -242,6 +243,34 @@ def spread(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} [{min(values):.4f}-{max(values):.4f}]"
 
 
+def verdict(runs: Runs, name: str, base: float, keeps: list[int], seeds: list[int]) -> str:
+    """The issue's goals, read off the runs: reconstruction below frequency and below every random seed at each size
+    measured; the best method's loss at half the experts against the full model's (goal: within 2%)."""
+    def loss(method, keep, seed=0):
+        record = runs.get(f"{name}/{method}/keep{keep}/seed{seed}")
+        return record["loss"]["mean"] if record else None
+
+    beats, misses = [], []
+    for keep in keeps:
+        rec, others = loss("reconstruction", keep), [loss("frequency", keep), *(loss("random", keep, s) for s in seeds)]
+        if rec is None or None in others:
+            continue
+        (beats if rec < min(others) else misses).append(keep)
+    text = (f"Reconstruction below frequency and every random seed at {beats} experts kept" if beats else
+            "Reconstruction below frequency and every random seed at none of the sizes measured")
+    text += f"; not at {misses}." if misses and beats else "."
+    full = runs.get(f"{name}/skip/0.0")
+    half = full["experts"] // 2
+    at_half = {m: loss(m, half) for m in ("reconstruction", "merge")} if half in keeps else {}
+    at_half = {m: v for m, v in at_half.items() if v is not None}
+    if at_half:
+        method, value = min(at_half.items(), key=lambda kv: kv[1])
+        change = 100 * (value / base - 1)
+        text += (f" At {half} experts (half), {method}: {change:+.2f}% held-out loss against the full model: "
+                 f"{'within' if change <= 2 else 'not within'} the 2% goal.")
+    return text
+
+
 def tables(runs: Runs, names: list[str], keeps: list[int], seeds: list[int]) -> str:
     lines = []
     for name in names:
@@ -263,7 +292,7 @@ def tables(runs: Runs, names: list[str], keeps: list[int], seeds: list[int]) -> 
             record = record or runs.get(f"{name}/random/keep{keep}/seed0")
             size = (f"{record['parameters'] / 1e6:.0f}M | {record['bytes'] / 2**20:.0f} MiB" if record else "- | -")
             lines.append(f"| {keep} | " + " | ".join(cells) + f" | {spread(rnd) if rnd else '-'} | {size} |")
-        lines.append("")
+        lines += ["", verdict(runs, name, base, keeps, seeds), ""]
         per_domain = [runs.get(f"{name}/{m}/keep{keeps[len(keeps) // 2]}/seed0") for m in METHODS]
         if all(per_domain):
             keep = keeps[len(keeps) // 2]

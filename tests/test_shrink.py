@@ -335,3 +335,22 @@ def test_a_native_checkpoint_missing_an_expert_is_refused(tmp_path, calib):
     save_file(tensors, f"{source}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ShrinkError, match="no tensor model.layers.1.block_sparse_moe.experts.3.w2.weight"):
         hf_moe.shrink(source, tmp_path / "out", 2, "random", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.slow
+def test_shrink_benchmark_smoke_run(tmp_path):
+    """benchmarks/shrink.py --smoke (tiny random models): every method shrinks and is evaluated, skipping is measured,
+    the native Mixtral round trip keeps its logits, and the tables say whether the goals hold."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "shrink.py")
+    done = subprocess.run([sys.executable, script, "--smoke", "--workdir", str(tmp_path), "--keeps", "4,2", "--seeds",
+                           "0,1", "--no-speed", "--thresholds", "1.0"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_MOE_BACKEND": "torch"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (tmp_path / "shrink.md").read_text()
+    assert "| 4 | " in report and "| 2 | " in report and "random (2 seeds" in report
+    assert "Reconstruction below frequency and every random seed at" in report and "the 2% goal" in report
+    assert "| 1.0 | 50.0% |" in report  # top-2 with threshold 1: one chosen expert of two skipped
+    assert "| 8 | MixtralForCausalLM | 8 | 0.00e+00 |" in report
