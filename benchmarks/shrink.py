@@ -305,11 +305,10 @@ def tables(runs: Runs, names: list[str], keeps: list[int], seeds: list[int]) -> 
         lines += [f"Dynamic skipping on {name} (full model; a chosen expert is skipped when its weight < threshold x "
                   "the token's top weight, the rest renormalised):", "",
                   "| threshold | experts skipped (share of chosen) | held-out loss |", "|---|---|---|"]
-        for t in THRESHOLDS:
-            r = runs.get(f"{name}/skip/{t}")
-            if r:
-                lines.append(f"| {t} | {100 * r['skipped']:.1f}% | {r['loss']['mean']:.4f} "
-                             f"({100 * (r['loss']['mean'] / base - 1):+.1f}%) |")
+        for r in sorted((r for k, r in runs.records.items() if k.startswith(f"{name}/skip/")),
+                        key=lambda r: r["threshold"]):
+            lines.append(f"| {r['threshold']} | {100 * r['skipped']:.1f}% | {r['loss']['mean']:.4f} "
+                         f"({100 * (r['loss']['mean'] / base - 1):+.1f}%) |")
         lines.append("")
         speed = runs.get(f"{name}/decode")
         if speed:
