@@ -60,6 +60,25 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("out", help="output directory")
     merge.add_argument("--max-shard-size", default="5GB")
 
+    # shrink (issue 31): fewer experts after training; hf_moe/shrink/
+    shrink = sub.add_parser("shrink", help="keep fewer experts per MoE layer (pruning or merging, with calibration "
+                            "text), for hf_moe and transformers' own MoE checkpoints; see docs/shrinking.md")
+    shrink.add_argument("model", help="an hf_moe checkpoint, or a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directory")
+    shrink.add_argument("out", help="output directory (the same kind of checkpoint)")
+    shrink.add_argument("--keep", type=int, required=True, help="experts kept in every MoE layer")
+    shrink.add_argument("--method", default="reconstruction",
+                        choices=["reconstruction", "merge", "frequency", "random"],
+                        help="reconstruction: the subset that reproduces each layer's output best (default); merge: "
+                        "the others merged into it where that helps; frequency: the most routed; random: the baseline")
+    shrink.add_argument("--data", help="calibration text: .txt, or .json/.jsonl with a text field (all methods but "
+                        "random)")
+    shrink.add_argument("--scope", default="layer", choices=["layer", "global"],
+                        help="layer: each layer keeps its own experts; global: the same expert ids in every layer")
+    shrink.add_argument("--seed", type=int, default=0, help="for --method random (and the token sample of long texts)")
+    shrink.add_argument("--calibration-tokens", type=int, default=4096)
+    shrink.add_argument("--seq-len", type=int, default=256, help="calibration tokens per row")
+    shrink.add_argument("--max-shard-size", default="5GB")
+
     inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
     inspect.add_argument("dir")
     inspect.add_argument("--routing", action="store_true", help="run the model over --data and show the routing")

@@ -15,6 +15,7 @@ from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopK
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification
 from .parallel import expert_parallel, parallelize
+from .shrink import ShrinkError, ShrinkResult, shrink  # (the function shadows the subpackage's name here, on purpose)
 from .version import __version__
 
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
@@ -57,6 +58,8 @@ __all__ = [
     "NoMLPFoundError",
     "Router",
     "RouterOutput",
+    "ShrinkError",
+    "ShrinkResult",
     "SparseMoeBlock",
     "StreamingUnsupported",
     "TopKRouter",
@@ -74,4 +77,5 @@ __all__ = [
     "register_router",
     "router_z_loss",
     "save_quantized",
+    "shrink",
 ]

@@ -128,6 +128,32 @@ def _merge(args) -> None:
               f"(outputs up to {conv['max_abs_mlp_output']:.2g}) on a random probe.")
 
 
+def _shrink(args) -> None:
+    """`hf-moe shrink MODEL OUT --keep N` (issue 31): the work is hf_moe/shrink/'s."""
+    import warnings
+
+    from .shrink import shrink
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = shrink(args.model, args.out, args.keep, args.method, args.data, scope=args.scope, seed=args.seed,
+                        calibration_tokens=args.calibration_tokens, seq_len=args.seq_len,
+                        max_shard_size=args.max_shard_size)
+    for warning in caught:
+        print(f"Note: {warning.message}", file=sys.stderr)
+    errors = [c.error for c in result.layers.values() if c.error is not None]
+    merged = sum(len(c.groups) for c in result.layers.values())
+    print(
+        f"Shrunk {args.model} -> {args.out} in {result.seconds:.1f}s ({result.method}, {result.scope} scope): "
+        f"{len(result.layers)} MoE layers x {result.num_experts} -> {result.keep} experts, top-{result.new_top_k}"
+        + (f", {merged} expert groups merged" if result.method == "merge" else "")
+        + (f"; calibration {result.calibration_tokens} tokens" if result.calibration_tokens else "") + "."
+    )
+    if errors:
+        print(f"Relative reconstruction error per layer on the calibration text: mean {sum(errors) / len(errors):.4f}, "
+              f"max {max(errors):.4f} (what was kept: {args.out}/shrink.json).")
+
+
 def _export(args) -> None:
     from .export import export_native
 
@@ -308,6 +334,7 @@ def _plan(args) -> None:
 COMMANDS = {
     "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan,
     "generate": _generate,
+    "shrink": _shrink,
 }
 
 

@@ -68,6 +68,9 @@ class MoEConfig(PreTrainedConfig):
             (`shared_expert_gate`), as Qwen2-MoE does (what `hf-moe merge` with `architecture: qwen` builds).
         moe_output_bias (`bool`): the block adds a bias `bias` [H] to its output (neuron-split conversions of MLPs
             with an output bias and no shared expert, where the bias must be added once whatever the routing).
+        router_skip_threshold (`float`): dynamic skipping at inference (Lu et al. 2024), off at 0 (the default). Outside
+            training, a chosen expert whose weight is below `router_skip_threshold` x the token's largest weight is not
+            computed; with `norm_topk_prob` the weights of the experts computed are renormalised to sum to one.
         router_init_std (`float`): std of the normal init of routers (and of experts built from scratch); `None`
             uses the base model's `initializer_range` (or `init_std`).
         decoder_layers_path (`str`): attribute path from the model to its list of decoder layers.
@@ -110,6 +113,7 @@ class MoEConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int | None = None
     shared_expert_gate: bool = False  # (merge, issue 21) shared experts scaled by sigmoid(x W_g), as Qwen2-MoE
     moe_output_bias: bool = False
+    router_skip_threshold: float = 0.0  # (shrink, issue 31) dynamic skipping of small-weight experts; 0: off
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
     moe_block_path: str = "mlp"
@@ -180,6 +184,11 @@ class MoEConfig(PreTrainedConfig):
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
         if not 0 <= self.moe_output_dropout < 1:
             raise ValueError(f"moe_output_dropout must be in [0, 1), got {self.moe_output_dropout}.")
+        if not 0 <= self.router_skip_threshold <= 1:
+            raise ValueError(
+                f"router_skip_threshold must be in [0, 1] (0: off), got {self.router_skip_threshold}: an expert is "
+                "skipped when its weight is below the threshold times the token's largest weight."
+            )
         if self.router_init_std is not None and not 0 < self.router_init_std < math.inf:
             raise ValueError(f"router_init_std must be a positive finite number (or None), got {self.router_init_std}.")
         for name in ("num_prototypes", "shared_expert_intermediate_size"):
@@ -257,7 +266,7 @@ _FIELD_TYPES = {
     "eval_capacity_factor": _FLOAT, "router_jitter_noise": _FLOAT, "router_z_loss_coef": _FLOAT,
     "num_prototypes": _INT, "router_bias_update_rate": _FLOAT, "router_weights": _STR, "num_shared_experts": _INT,
     "shared_expert_intermediate_size": _INT, "shared_expert_gate": _BOOL, "moe_output_bias": _BOOL,
-    "router_init_std": _FLOAT,
+    "router_init_std": _FLOAT, "router_skip_threshold": _FLOAT,
     "decoder_layers_path": _STR, "moe_block_path": _STR, "hf_moe_format": _INT,
 }
 _NULLABLE = {

@@ -243,6 +243,11 @@ def _routing_problems(config: MoEConfig, target: NativeTarget | None) -> list[st
             "probability. Only router_weights='softmax' exports (method='split' defaults to 'unit'; convert with "
             "router_weights='softmax' for an exportable, though no longer exact, split)."
         )
+    if getattr(config, "router_skip_threshold", 0.0):
+        problems.append(
+            f"router_skip_threshold={config.router_skip_threshold}: native MoE models compute every chosen expert "
+            "(no dynamic skipping). Set config.router_skip_threshold=0 (an inference option) and export again."
+        )
     if target is not None and not target.norm_topk_prob_field and not config.norm_topk_prob:
         problems.append(
             f"norm_topk_prob=False: {target.model_type} always renormalises the top-k weights. Convert with "

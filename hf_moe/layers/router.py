@@ -16,6 +16,10 @@ at most C = ceil(factor * N * k / E) of the N*k (token, slot) pairs, first choic
 The rest are dropped: they contribute zero and the residual connection carries the token. Dropless (no factor)
 is the default.
 
+Outside training, `router_skip_threshold` > 0 skips a chosen expert whose weight is below that fraction of the
+token's largest weight (dynamic skipping, Lu et al. 2024): its slot becomes -1, so it is not computed
+(`skip_small_weights`).
+
 Register your own with `@register_router("name")` on a `Router` subclass; the built-ins use the same registry.
 """
 
@@ -126,6 +130,22 @@ def capacity_kept(top_k_index: torch.Tensor, num_experts: int, capacity: int) ->
     return ((position < capacity) & (slot_major >= 0)).view(k, n).t()
 
 
+def skip_small_weights(
+    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, threshold: float, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic skipping: ([N, k] index, [N, k] weights) with every slot whose weight is below `threshold` x the row's
+    largest weight set to expert -1 (not computed) and weight 0; the largest never is (threshold <= 1). With
+    `renormalize` the weights left are divided by their sum. Elementwise on the device: no host sync, no branch on
+    the data, so a compiled decode step traces it as it is."""
+    top = top_k_weights.amax(dim=-1, keepdim=True)
+    skip = top_k_weights < threshold * top
+    index = top_k_index.masked_fill(skip, -1)
+    weights = top_k_weights.masked_fill(skip, 0.0)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    return index, weights
+
+
 def unit_weights(weights: torch.Tensor) -> torch.Tensor:
     """Ones of the shape of `weights` [N, k] (MoEfication: a chosen expert counts fully), through which the
     router still learns: the value is w / w = 1 exactly and the gradient is that of log w (straight-through)."""
@@ -150,6 +170,7 @@ class Router(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.eval_capacity_factor = config.eval_capacity_factor
         self.unit_weights = config.router_weights == "unit"
+        self.skip_threshold = getattr(config, "router_skip_threshold", 0.0)  # dynamic skipping, eval only; 0: off
         self.init_std = config.moe_init_std
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.reset_parameters()
@@ -176,6 +197,10 @@ class Router(nn.Module):
         out = self.route(hidden_states)
         if out.is_expert_choice:
             return out
+        if self.skip_threshold and not self.training:  # (a module attribute: the same branch in every call)
+            index, weights = skip_small_weights(out.top_k_index, out.top_k_weights, self.skip_threshold,
+                                                self.norm_topk_prob)
+            out = out._replace(top_k_index=index, top_k_weights=weights)
         kept = None
         capacity = self.capacity(hidden_states.shape[0])
         if capacity is not None:
