@@ -1406,6 +1406,26 @@ def test_a_merged_expert_that_overflows_is_refused_not_reported_as_exact(dense_s
     assert not (tmp_path / "out").exists() and not _leftovers(tmp_path / "out")
 
 
+@pytest.mark.parametrize("value", [math.nan, -math.inf])
+def test_verify_names_an_expert_that_holds_nan_saved_with_matching_checksums(saved, tmp_path, capsys, value):
+    """A checkpoint saved with non-finite experts (a bad merge or a diverged run: its checksums match) loaded and
+    computed NaN, and `hf-moe verify` said OK. Verify counts every floating tensor's NaN and infinite values in its
+    pass over the bytes, and names each tensor that holds any."""
+    directory = copy_of(saved[0], tmp_path / "moe")
+    path = expert_file(directory, 2)
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    key, meta = next((k, m) for k, m in sorted(json.loads(raw[8 : 8 + n]).items()) if k.endswith("down_proj"))
+    struct.pack_into("<f", raw, 8 + n + meta["data_offsets"][0] + 4 * 7, value)
+    path.write_bytes(raw)
+    _record_checksums(directory, path)
+    hostile()
+    capsys.readouterr()
+    assert cli(["verify", str(directory)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path.name}: tensor '{key}' holds 1 NaN or infinite value(s)" in err, err
+
+
 def test_a_source_mlp_that_holds_nan_is_named(dense_sources, tmp_path, capsys):
     """A source whose MLP holds NaN was refused as "could not reproduce its output (max abs difference nan)": as if
     its forward were unusual. The merge now says what is wrong, naming the source and the layer."""

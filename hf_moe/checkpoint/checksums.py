@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -100,19 +101,33 @@ def file_checksums(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
 
 class _NonFinite:
     """Counts the NaN and infinite values of a floating tensor fed to it in chunks of its bytes (a chunk may end
-    inside a value: its bytes wait for the next chunk)."""
+    inside a value: its bytes wait for the next chunk). With numpy, on one thread: 0.1-0.2 ms per MB, about what
+    hashing the chunk costs (torch's reductions start a thread pool per call, which costs far more on a busy
+    machine). float32/64 and float16: max and min (NaN propagates, an infinity is one of them), counted only when not
+    finite; bfloat16: its exponent bits (all ones: NaN or infinity); 8-bit floats: through torch, as float32."""
+
+    _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.bad, self.rest = dtype, 0, bytearray()
-        self.wide = dtype.itemsize == 1  # (torch has no isfinite for float8_e4m3fn: counted as float32)
 
     def update(self, chunk: memoryview) -> None:
         data = self.rest + chunk if self.rest else chunk
         whole = len(data) - len(data) % self.dtype.itemsize
         self.rest = bytearray(data[whole:])
         if whole:
-            values = torch.frombuffer(data[:whole], dtype=self.dtype)
-            self.bad += int((~torch.isfinite(values.float() if self.wide else values)).sum())
+            self.bad += self._count(data[:whole])
+
+    def _count(self, data) -> int:
+        if self.dtype in self._NUMPY:
+            values = np.frombuffer(data, dtype=self._NUMPY[self.dtype])
+            if np.isfinite(values.max()) and np.isfinite(values.min()):
+                return 0
+            return int(np.count_nonzero(~np.isfinite(values)))
+        if self.dtype == torch.bfloat16:
+            return int(np.count_nonzero((np.frombuffer(data, dtype=np.uint16) & 0x7F80) == 0x7F80))
+        values = torch.frombuffer(bytearray(data), dtype=self.dtype).float()  # (float8: no isfinite of its own)
+        return int((~torch.isfinite(values)).sum())
 
 
 def checksum_files(directory: Path, names: list[str], desc: str, algorithm: str = CHECKSUM_ALGORITHM):
