@@ -79,13 +79,12 @@ def check_disk(out, size: ConversionSize | int, files: int | None = None) -> Non
     where = _existing_ancestor(Path(os.path.abspath(out)))
     free, free_files = free_space(where)
     if size > free or (files is not None and free_files is not None and files > free_files):
-        have = (f"{format_bytes(free)} free" if size > free else
-                f"room for {free_files:,} more files (inodes)")
+        have = f"{format_bytes(free)} free" if size > free else f"room for {free_files:,} more files (inodes)"
+        count = f" in {files:,} files" if files else ""
         raise ValueError(
-            f"The MoE checkpoint would take about {format_bytes(size)}{f' in {files:,} files' if files else ''}{what}, "
-            f"but {where} has "
-            f"{have}. Choose an OUT on a larger filesystem, fewer experts, or fewer MoE layers (--layers, --every); "
-            f"or, if you know it fits (a compressing filesystem), set {SKIP_VARIABLE}=1."
+            f"The MoE checkpoint would take about {format_bytes(size)}{count}{what}, but {where} has {have}. Choose an "
+            "OUT on a larger filesystem, fewer experts, or fewer MoE layers (--layers, --every); or, if you know it "
+            f"fits (a compressing filesystem), set {SKIP_VARIABLE}=1."
         )
 
 

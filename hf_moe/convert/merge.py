@@ -227,15 +227,15 @@ class _Plan:
             for e, spec in enumerate(self.recipe.experts):
                 mlp = self.expert_mlp(spec, i, generator)
                 for name, tensor in _expert_tensors(mlp, self.config).items():
-                    _check_finite(tensor.to(self.dtype), spec, f"experts[{e}]", i, name)
-                    writer.write(f"{self.prefix[i]}experts.{e}.{name}", tensor.to(self.dtype))
+                    tensor = _check_finite(tensor.to(self.dtype), spec, f"experts[{e}]", i, name)
+                    writer.write(f"{self.prefix[i]}experts.{e}.{name}", tensor)
                 self._check_expert(writer, i, e, mlp)
                 del mlp
             if self.recipe.shared is not None:
                 mlp = self.expert_mlp(self.recipe.shared, i, generator)
                 for name, tensor in _shared_tensors(mlp, self.config).items():
-                    _check_finite(tensor.to(self.dtype), self.recipe.shared, "shared_experts[0]", i, name)
-                    writer.write(f"{self.prefix[i]}shared_experts.{name}", tensor.to(self.dtype))
+                    tensor = _check_finite(tensor.to(self.dtype), self.recipe.shared, "shared_experts[0]", i, name)
+                    writer.write(f"{self.prefix[i]}shared_experts.{name}", tensor)
 
     @torch.no_grad()
     def _check_expert(self, writer: _ShardWriter, layer: int, e: int, mlp: DenseMLP) -> None:
@@ -303,15 +303,17 @@ def _scales(spec) -> str:
     return f" with {', '.join(scales)}" if scales else ""
 
 
-def _check_finite(tensor: torch.Tensor, spec, where: str, layer: int, name: str) -> None:
-    """An expert's tensor, as written, holds only finite numbers (else nothing is written: the error says why)."""
-    if not all_finite(tensor):
-        bad = int((~torch.isfinite(tensor)).sum())
-        raise MergeConfigError(
-            f"{where} ({spec.source_model}): its {name} at layer {layer} would hold {bad} NaN or infinite value(s) of "
-            f"{tensor.numel()} in {str(tensor.dtype).removeprefix('torch.')}{_scales(spec)}: nothing was written. "
-            "Lower the scales (or choose a wider dtype), or check the source model's weights."
-        )
+def _check_finite(tensor: torch.Tensor, spec, where: str, layer: int, name: str) -> torch.Tensor:
+    """`tensor`, an expert's tensor as it is written, after checking that it holds only finite numbers (else nothing is
+    written: the error says why)."""
+    if all_finite(tensor):
+        return tensor
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise MergeConfigError(
+        f"{where} ({spec.source_model}): its {name} at layer {layer} would hold {bad} NaN or infinite value(s) of "
+        f"{tensor.numel()} in {str(tensor.dtype).removeprefix('torch.')}{_scales(spec)}: nothing was written. "
+        "Lower the scales (or choose a wider dtype), or check the source model's weights."
+    )
 
 
 def _expert_tensors(mlp: DenseMLP, config) -> dict[str, torch.Tensor]:
