@@ -5,7 +5,8 @@ must be refused with a message that names the bad file, except flipped data byte
 with verification every one is refused. Reads outside the checkpoint are counted by inotify on the directory that
 holds the bait files (any reader, Rust included). The module prints one line:
 
-    M hostile files over K classes, 0 accepted (under verify), 0 read outside
+    M hostile files over K classes, 0 accepted (under verify), 0 read outside; H loads by Hub id exact, E size
+    estimates within 1%
 
 Section 11 on (issue 20): special files, links out, memory bombs, headers the safetensors reader refuses, base config
 values, config files under the checksums, the offloaded path's verification, and the one guarded opener.
@@ -44,7 +45,7 @@ from hf_moe import CheckpointError, MoEForCausalLM, convert_checkpoint, convert_
 from hf_moe.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTS = {"hostile": 0, "outside": 0, "verify": 0}
+COUNTS = {"hostile": 0, "outside": 0, "verify": 0, "hub": 0, "estimates": 0}
 CLASSES: set[str] = set()  # the tests that presented hostile files: one class of input each
 
 
@@ -54,7 +55,8 @@ def _report_counts(request):
     without -s or -rA)."""
     yield
     line = (f"test_hostile.py: {COUNTS['hostile']} hostile files over {len(CLASSES)} classes, {COUNTS['verify']} "
-            f"accepted (under verify), {COUNTS['outside']} read outside")
+            f"accepted (under verify), {COUNTS['outside']} read outside; {COUNTS['hub']} loads by Hub id exact, "
+            f"{COUNTS['estimates']} size estimates within 1%")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         print(f"\n{line}", flush=True)
@@ -1145,6 +1147,7 @@ def test_a_hub_id_loads_from_its_cached_snapshot_after_the_checks(saved, hub, ca
     assert cli(["verify", "org/moe"]) == 0
     assert cli(["inspect", "org/moe"]) == 0
     assert cli(["generate", "org/moe", "abc", "--max-new-tokens", "2"]) == 0
+    COUNTS["hub"] += 10  # (refs/main, a branch, a commit, cache_dir, a subfolder, Auto, offloaded, 3 commands)
     assert "Traceback" not in capsys.readouterr().err
     assert cli(["verify", "--update", "org/moe"]) == 2  # (the cache is not the user's to edit)
     assert "Hugging Face cache" in capsys.readouterr().err
@@ -1213,6 +1216,7 @@ def test_int8_experts_by_hub_id_are_refused_as_floats_and_load_with_load_quantiz
     capsys.readouterr()
     assert cli(["generate", "org/int8", "abc", "--max-new-tokens", "2"]) == 0
     assert cli(["verify", "org/int8"]) == 0
+    COUNTS["hub"] += 3  # (load_quantized, generate, verify)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1520,10 +1524,12 @@ def test_the_size_estimate_matches_what_is_written(dense_sources, tmp_path):
         dense = tiny_dense("llama")
         _, layers = find_decoder_layers(dense)
         mlp = extract_mlp(layers[0], find_mlp(layers[0]), dense.config)
-        size = estimate_conversion(sum(p.numel() * 4 for p in dense.parameters()), mlp,
-                                   _expert_sizes(method, mlp, experts, shared), experts, len(layers), shared, 4, 5 << 30)
+        sizes = _expert_sizes(method, mlp, experts, shared)
+        size = estimate_conversion(sum(p.numel() * 4 for p in dense.parameters()), mlp, sizes, experts, len(layers),
+                                   shared, 4, 5 << 30)
         convert_checkpoint(dense_sources[0], out, experts, 2, method=method, num_shared_experts=shared, progress=False)
         weights = sum(m["data_offsets"][1] - m["data_offsets"][0] for path in out.glob("*.safetensors")
                       for k, m in checkpoint.read_safetensors_header(path).items() if k != "__metadata__")
         assert abs(size.output_bytes - weights) < 0.01 * weights, (method, size, weights)
         assert size.files - 6 == len(list(out.glob("*.safetensors"))), (method, size.files)
+        COUNTS["estimates"] += 1
