@@ -1,7 +1,7 @@
-"""What the reliability guarantees of issue 20 cost: the offloaded path's verification, the readers' lock, and the
-guarded opener's checks.
+"""What the reliability guarantees of issues 20 and 28 cost: the offloaded path's verification, the readers' lock, the
+guarded opener's checks, loading by Hub id, the conversion size check, and verify's scan for non-finite values.
 
-    python benchmarks/reliability.py [--size-gb 0.5] [--repeats 5] [--work DIR]
+    python benchmarks/reliability.py [--size-gb 0.5] [--repeats 5] [--work DIR] [--only SECTION ...]
 
 Saves a synthetic MoE checkpoint with about --size-gb of experts (llama layout, fp32, random weights; the files in
 the page cache) and measures, each --repeats times, interleaved so that a slow spell of the machine hits every row:
@@ -16,6 +16,14 @@ the page cache) and measures, each --repeats times, interleaved so that a slow s
   * checks    `validate_checkpoint(dir, verify_checksums=False)` (every check before load but the data hashes) with
               and without the safetensors reader's own parse of each header; and the bounded JSON parser of the
               guard (`parse_json`: UTF-8, value count, depth, duplicate keys) against plain `json.loads` on the index.
+
+  * hub       `from_pretrained("org/name")` of a tiny checkpoint in a Hugging Face cache (offline: the id resolved to
+              its snapshot, then every check) against `from_pretrained(snapshot path)` (the same checks, no resolution);
+              and the resolution alone (`resolve_checkpoint`), in milliseconds;
+  * size      `convert_checkpoint` (streaming) of a small dense model, with the size check (estimate, free space and
+              inodes) and with `HF_MOE_SKIP_SIZE_CHECK=1`; and the check alone, in microseconds;
+  * finite    `verify_checkpoint` of the --size-gb checkpoint, which hashes every byte and now counts each floating
+              tensor's NaN and infinite values in the same pass, against the same hashing without the count.
 
 Prints the median and the spread (min-max) of each, and its ratio to the peer of its table.
 """
@@ -64,10 +72,10 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def row(name: str, values: list[float], unit: str, peer: float | None, scale: float = 1.0) -> str:
+def row(name: str, values: list[float], unit: str, peer: float | None | bool, scale: float = 1.0) -> str:
     scaled = [v / scale for v in values]
     median = statistics.median(scaled)
-    ratio = f"{median / peer:6.2f}x" if peer else "   peer"
+    ratio = "      -" if peer is False else f"{median / peer:6.2f}x" if peer else "   peer"  # (False: no peer)
     return f"  {name:<46} {median:10.4f} {unit:<5} {min(scaled):.4f}-{max(scaled):.4f}   {ratio}"
 
 
@@ -162,11 +170,106 @@ def guard(directory: Path, repeats: int) -> None:
         print(row(name, [v * 1e3 for v in values], "ms", None if name.startswith("json.loads") else peer))
 
 
+def hub(repeats: int, work: Path) -> None:
+    import hashlib
+
+    import huggingface_hub.constants as constants
+
+    from hf_moe.checkpoint import resolve_checkpoint
+
+    tiny = work / "tiny"  # (saved by `lock`)
+    cache = work / "hub"
+    root = cache / "models--org--tiny"
+    snapshot = root / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    for path in tiny.iterdir():
+        data = path.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = str(cache), True
+    loads = {"from_pretrained('org/tiny'), by Hub id": [], "from_pretrained(snapshot path)": []}
+    for _ in range(repeats * 4):
+        loads["from_pretrained('org/tiny'), by Hub id"].append(
+            timed(lambda: MoEForCausalLM.from_pretrained("org/tiny")))
+        loads["from_pretrained(snapshot path)"].append(timed(lambda: MoEForCausalLM.from_pretrained(snapshot)))
+    n = 100
+    alone = [timed(lambda: [resolve_checkpoint("org/tiny") for _ in range(n)]) / n * 1e3 for _ in range(repeats)]
+    peer = statistics.median(loads["from_pretrained(snapshot path)"])
+    print("\nloading by Hub id, a tiny checkpoint (offline)      s median          spread        vs peer")
+    for name, values in loads.items():
+        print(row(name, values, "s", None if name.endswith("path)") else peer))
+    print(row("resolve_checkpoint('org/tiny') alone", alone, "ms", False))
+
+
+def size_check(repeats: int, work: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_moe import convert_checkpoint
+    from hf_moe.convert.adapters import extract_mlp, find_decoder_layers, find_mlp
+    from hf_moe.convert.api import _expert_sizes
+    from hf_moe.convert.estimate import check_disk, estimate_conversion
+
+    torch.manual_seed(0)
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    source = work / "dense"
+    dense.save_pretrained(source)
+    convert = {"convert_checkpoint (8 experts), size check": [], "the same, HF_MOE_SKIP_SIZE_CHECK=1": []}
+    for _ in range(repeats):
+        for name in convert:
+            os.environ.pop("HF_MOE_SKIP_SIZE_CHECK", None)
+            if "SKIP" in name:
+                os.environ["HF_MOE_SKIP_SIZE_CHECK"] = "1"
+            out = work / "converted"
+            convert[name].append(timed(lambda: convert_checkpoint(source, out, 8, 2, progress=False)))
+            shutil.rmtree(out)
+    os.environ.pop("HF_MOE_SKIP_SIZE_CHECK", None)
+    _, layers = find_decoder_layers(dense)
+    mlp = extract_mlp(layers[0], find_mlp(layers[0]), dense.config)
+    n = 1000
+    sizes = _expert_sizes("upcycle", mlp, 8, 0)
+    alone = [timed(lambda: [check_disk(work / "out", estimate_conversion(10**8, mlp, sizes, 8, 4, 0, 4, 5 << 30))
+                             for _ in range(n)]) / n * 1e6 for _ in range(repeats)]
+    peer = statistics.median(convert["the same, HF_MOE_SKIP_SIZE_CHECK=1"])
+    print(f"\nconversion size check, {sum(p.numel() for p in dense.parameters()) / 1e6:.1f}M dense parameters    "
+          "s median          spread        vs peer")
+    for name, values in convert.items():
+        print(row(name, values, "s", None if "SKIP" in name else peer))
+    print(row("estimate + free space + inodes, alone", alone, "us", False))
+
+
+def finite(directory: Path, repeats: int) -> None:
+    import hf_moe.checkpoint.verify as verify
+
+    gb = sum(p.stat().st_size for p in directory.glob("*.safetensors")) / 1e9
+    rows = {"verify_checkpoint (hashes + non-finite count)": [], "verify_checkpoint, hashes only": []}
+    shipped = verify.checksum_problems
+    for _ in range(repeats):
+        verify.checksum_problems = shipped
+        rows["verify_checkpoint (hashes + non-finite count)"].append(
+            timed(lambda: checkpoint.verify_checkpoint(directory)))
+        verify.checksum_problems = lambda *args, finite=False: shipped(*args)
+        rows["verify_checkpoint, hashes only"].append(timed(lambda: checkpoint.verify_checkpoint(directory)))
+    verify.checksum_problems = shipped
+    peer = statistics.median(rows["verify_checkpoint, hashes only"]) / gb
+    print(f"\nhf-moe verify, {gb:.3f} GB                            s/GB median        spread        vs peer")
+    for name, values in rows.items():
+        print(row(name, values, "s/GB", None if name.endswith("only") else peer, gb))
+
+
+SECTIONS = ["offload", "lock", "checks", "hub", "size", "finite"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work", help="scratch directory (default: a temporary one, removed at the end)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="the tables to measure")
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="hf_moe_reliability_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -176,9 +279,18 @@ def main() -> None:
         for path in directory.glob("*.safetensors"):  # into the page cache
             path.read_bytes()
         print(f"torch {torch.__version__}, {os.cpu_count()} CPU(s), {args.repeats} repeats, files in the page cache")
-        offload(directory, args.repeats)
-        lock(args.repeats, work)
-        guard(directory, args.repeats)
+        if "offload" in args.only:
+            offload(directory, args.repeats)
+        if "lock" in args.only or "hub" in args.only:
+            lock(args.repeats, work)  # (saves the tiny checkpoint `hub` loads)
+        if "checks" in args.only:
+            guard(directory, args.repeats)
+        if "hub" in args.only:
+            hub(args.repeats, work)
+        if "size" in args.only:
+            size_check(args.repeats, work)
+        if "finite" in args.only:
+            finite(directory, args.repeats)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

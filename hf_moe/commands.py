@@ -16,6 +16,7 @@ _OPTION_FLAGS = (
 def _convert(args) -> None:
     from .checkpoint import same_directory, save_checkpoint
     from .convert.api import convert_to_moe
+    from .convert.estimate import check_disk
     from .convert.stream import StreamingUnsupported, convert_checkpoint
     from .model_card import block_diff_text
 
@@ -41,6 +42,7 @@ def _convert(args) -> None:
         model = convert_to_moe(
             args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options
         )
+        check_disk(args.out, sum(p.numel() * p.element_size() for p in model.parameters()))  # before writing
         save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
     counts = model.parameter_counts()
     conv = model.config.moe_conversion
@@ -86,22 +88,24 @@ def _tokenizer_writer(src: str):
 
 
 def _inspect(args) -> None:
+    from .checkpoint import is_hub_id, resolve_checkpoint
     from .inspect import format_routing, format_summary, routing_summary, save_heatmap, summarize_checkpoint
 
-    print(format_summary(summarize_checkpoint(args.dir), args.dir))
+    directory = resolve_checkpoint(args.dir)  # a Hub id: its snapshot in the cache
+    print(format_summary(summarize_checkpoint(directory), args.dir))
     if not args.routing:
         return
     if not args.data:
         raise ValueError("--routing needs --data FILE, a text file to run the model over.")
-    config, summary, tokens = routing_summary(args.dir, args.data, max_tokens=args.max_tokens)
+    config, summary, tokens = routing_summary(directory, args.data, max_tokens=args.max_tokens)
     print()
     print(format_routing(config, summary, tokens))
     if len(args.data) > 1:  # several domains (issue 21): which expert each domain's tokens go to
         from .inspect import domain_routing, format_domain_routing
 
         print()
-        print(format_domain_routing(*domain_routing(args.dir, args.data, max_tokens=args.max_tokens)))
-    heatmap = args.heatmap or os.path.join(args.dir, "routing.png")
+        print(format_domain_routing(*domain_routing(directory, args.data, max_tokens=args.max_tokens)))
+    heatmap = args.heatmap or os.path.join("." if is_hub_id(args.dir) else args.dir, "routing.png")  # (not the cache)
     try:
         save_heatmap(config, summary, heatmap)
         print(f"heatmap: {heatmap}")
@@ -170,7 +174,7 @@ def _export(args) -> None:
 def _generate(args) -> None:
     import torch
 
-    from .checkpoint import checkpoint_config, load_tokenizer, reading
+    from .checkpoint import checkpoint_config, load_tokenizer, reading, resolve_checkpoint
     from .layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
     from .modeling import MoEForCausalLM
     from .offload import GenerationTimer, describe, expert_cache, peak_rss_bytes
@@ -183,12 +187,16 @@ def _generate(args) -> None:
     if args.quantize and offload:
         raise ValueError("--quantize quantizes experts held in memory; to offload int8 experts, save the model "
                            "with hf_moe.save_quantized and pass that directory with --offload-experts.")
-    with reading(args.model):  # the model and its tokenizer from one checkpoint, through the guarded opener
-        if getattr(checkpoint_config(args.model), QUANTIZATION_FIELD, None) is not None and not offload:
-            model = load_quantized(args.model, dtype=options["dtype"]).eval()  # saved with int8 experts
+    if not args.prompt and not args.chat:
+        raise ValueError("The prompt is empty: give the text to continue, e.g. hf-moe generate MODEL \"Once upon a "
+                         "time\".")
+    directory = resolve_checkpoint(args.model)  # a Hub id: its snapshot in the cache
+    with reading(directory):  # the model and its tokenizer from one checkpoint, through the guarded opener
+        if getattr(checkpoint_config(directory), QUANTIZATION_FIELD, None) is not None and not offload:
+            model = load_quantized(directory, dtype=options["dtype"]).eval()  # saved with int8 experts
         else:
-            model = MoEForCausalLM.from_pretrained(args.model, **options).eval()
-        tokenizer = load_tokenizer(args.model)
+            model = MoEForCausalLM.from_pretrained(directory, **options).eval()
+        tokenizer = load_tokenizer(directory)
     if args.quantize:
         quantize_experts(model, args.quantize)
     load_s = time.perf_counter() - start
@@ -197,6 +205,8 @@ def _generate(args) -> None:
                                                return_tensors="pt", return_dict=True)
     else:
         inputs = tokenizer(args.prompt, return_tensors="pt")
+    if inputs["input_ids"].shape[-1] == 0:
+        raise ValueError(f"The prompt {args.prompt!r} gives no tokens: give text the tokenizer encodes.")
     timer = GenerationTimer(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.no_grad():
@@ -217,13 +227,17 @@ def _generate(args) -> None:
 
 
 def _verify(args) -> int:
-    from .checkpoint import record_config_files, verify_checkpoint
+    from .checkpoint import is_hub_id, record_config_files, resolve_checkpoint, verify_checkpoint
 
+    directory = resolve_checkpoint(args.dir)  # a Hub id: its snapshot in the cache
     if getattr(args, "update", False):
-        changed = record_config_files(args.dir)
+        if is_hub_id(args.dir):
+            raise ValueError(f"--update records edited config files in a checkpoint of your own; {args.dir} is a "
+                             "snapshot in the Hugging Face cache. Copy it first (`hf download REPO --local-dir DIR`).")
+        changed = record_config_files(directory)
         print(f"{args.dir}: recorded the checksums of {', '.join(changed) if changed else 'no changed file'}; "
               "verifying.")
-    report = verify_checkpoint(args.dir)
+    report = verify_checkpoint(directory)
     if report.problems:
         print(f"{args.dir}: {len(report.problems)} problem(s):", file=sys.stderr)
         for problem in report.problems:

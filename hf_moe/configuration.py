@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -281,9 +282,25 @@ def _cut(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else f"{text[: limit - 25]}... ({len(text)} characters)"
 
 
+class _BoundedRepr(reprlib.Repr):
+    """repr with bounded cost: a few items per container, a few levels deep, no huge int spelled out. A value read
+    from a file may be an expanded YAML alias bomb or a list nested a thousand deep: its full repr would not end."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 3, 8, 8, 8, 8
+        self.maxstring = self.maxother = 500
+
+    def repr_int(self, x, level):
+        return repr(x) if x.bit_length() <= 256 else f"<an int of {x.bit_length()} bits>"
+
+
+_REPR = _BoundedRepr()
+
+
 def _brief(value, limit: int = 120) -> str:
-    """repr(value), cut to about `limit` characters."""
-    return _cut(repr(value), limit)
+    """repr(value), cut to about `limit` characters (its cost bounded too: `_BoundedRepr`)."""
+    return _cut(_REPR.repr(value), limit)
 
 
 def _is(value, kind: str) -> bool:

@@ -35,7 +35,8 @@ from . import parallel
 from .backbone import install_moe_blocks, wrap_forward
 from .checkpoint import reading as checkpoint_reading  # (hf_moe/checkpoint/snapshot.py)
 from .checkpoint import (
-    local_expert_view, missing_keys_error, recover_interrupted_commit, save_checkpoint, validate_checkpoint,
+    HUB_KWARGS, local_expert_view, missing_keys_error, recover_interrupted_commit, resolve_checkpoint, save_checkpoint,
+    validate_checkpoint,
 )
 from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
@@ -184,7 +185,11 @@ class MoEPreTrainedModel(PreTrainedModel):
             return load_offloaded(
                 cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs
             )
-        path = os.fspath(pretrained_model_name_or_path)
+        name = os.fspath(pretrained_model_name_or_path)
+        if not kwargs.get("_validated"):  # a Hub id: its snapshot in the cache, checked as any directory (hub.py)
+            path = resolve_checkpoint(name, **{k: kwargs[k] for k in HUB_KWARGS if k in kwargs})
+        else:
+            path = name
         local_dir = os.path.join(path, kwargs.get("subfolder") or "")
         verify_checksums = kwargs.pop("verify_checksums", None)
         with checkpoint_reading(local_dir):  # checks and load see one checkpoint: a save into it waits
@@ -202,8 +207,10 @@ class MoEPreTrainedModel(PreTrainedModel):
             cls = cls._specialised_for(path, kwargs)
             output_loading_info = kwargs.pop("output_loading_info", False)
             model, info = super(MoEPreTrainedModel, cls).from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+                path, *model_args, output_loading_info=True, **kwargs
             )
+        if path != name:
+            model.config.name_or_path = name  # (the Hub id, as transformers records it)
         missing = model._missing_saved_keys(info["missing_keys"])
         if missing:
             raise missing_keys_error(path, missing)

@@ -33,13 +33,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import (
-    INDEX_NAME, CheckpointError, checkpoint_config, local_expert_view, read_index, reading, save_checkpoint,
-    validate_files,
+    HUB_KWARGS, INDEX_NAME, CheckpointError, checkpoint_config, local_expert_view, read_index, reading,
+    resolve_checkpoint, save_checkpoint, validate_files,
 )
 from .checkpoint.guard import safe_open_file
 from .checkpoint.headers import read_header
 from .layers import Experts
-from .layers.quantized import CONFIG_FIELD, QuantizedExperts
+from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size
 from .modeling import MoEForCausalLM, moe_model_class_for_config
 from .routing import moe_blocks
 
@@ -132,7 +132,8 @@ def save_quantized(model: nn.Module, save_directory: str | os.PathLike, **kwargs
 
 
 def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = True, **kwargs) -> MoEForCausalLM:
-    """Load a model saved by `save_quantized` (kwargs go to `from_pretrained`: `dtype`, `attn_implementation`, ...).
+    """Load a model saved by `save_quantized`, from a directory or a Hub id (`revision`, `cache_dir`, `subfolder`, ...
+    as for `from_pretrained`; other kwargs go to `from_pretrained`: `dtype`, `attn_implementation`, ...).
 
     Checks the directory first (`hf_moe.checkpoint.validate_files`): every file's size and header against the
     checksums recorded at save time (`verify_checksums` hashes the data too), the config files against theirs, the
@@ -141,7 +142,9 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
     directory without the expert files), into a model whose experts are placeholders, so no full-precision expert
     is ever allocated; the int8 experts are then read from their files.
     """
-    directory = os.fspath(directory)
+    name = os.fspath(directory)
+    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}  # a Hub id: its snapshot in the cache
+    directory = os.path.join(resolve_checkpoint(name, **hub), hub.get("subfolder") or "")
     with reading(directory):  # what is checked and loaded is one checkpoint: a save into it waits
         validate_files(directory, verify_checksums=verify_checksums)
         config = checkpoint_config(directory)
@@ -152,6 +155,10 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
                 "experts. Load it with MoEForCausalLM.from_pretrained."
             )
         group_size = settings.get("group_size")
+        try:
+            check_group_size(group_size, config.hidden_size, config.moe_intermediate_size)
+        except ValueError as err:
+            raise CheckpointError(f"{directory}/config.json's {CONFIG_FIELD} is invalid: {err}") from None
         weight_map, _ = read_index(directory)
         expected = _expected_quantized_tensors(directory, config, weight_map, group_size)
         model_class = moe_model_class_for_config(config)
@@ -159,7 +166,7 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
             skeleton = _with_placeholder_experts(model_class)
             model = skeleton.from_pretrained(view, config=config, _validated=True, **kwargs)
         model.__class__ = model_class
-        model.config.name_or_path = directory
+        model.config.name_or_path = name
         _read_experts(directory, model, config, weight_map, expected, group_size)
     return model
 

@@ -241,3 +241,84 @@ def test_inspect_summary(saved, moe):
     text = format_summary(summary, saved)
     assert "MoE layers       2 of 3: 0, 2" in text
     assert "model-expert-00003.safetensors" in text and "expert 3 of every MoE layer" in text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# File modes, and `hf-moe verify --update` (issue 28)
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def umask():
+    """Set the process's umask for the test (`umask(mask)`), restored after."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield lambda mask: os.umask(mask)
+    os.umask(old)
+
+
+def _modes(directory) -> dict[str, int]:
+    return {p.name: p.stat().st_mode & 0o777 for p in directory.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_every_saved_file_has_the_mode_the_umask_gives(moe, tmp_path, umask, mask):
+    """safetensors 0.8 writes its files 0600, so save_pretrained, save_quantized and Trainer checkpoints were
+    unreadable by other users while convert and merge wrote 0644. hf_moe's writers give every file the umask's mode."""
+    import hf_moe
+
+    umask(mask)
+    moe.save_pretrained(tmp_path / "moe")
+    hf_moe.save_quantized(hf_moe.quantize_experts(MoEForCausalLM.from_pretrained(tmp_path / "moe"), "int8"),
+                          tmp_path / "int8")
+    for directory in (tmp_path / "moe", tmp_path / "int8"):
+        modes = _modes(directory)
+        assert set(modes.values()) == {0o666 & ~mask}, modes
+        assert any(name.endswith(".safetensors") for name in modes)
+
+
+def _edit_config(directory) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config["num_experts_per_tok"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o664])
+def test_verify_update_keeps_the_index_mode(saved, mode, capsys):
+    """`hf-moe verify --update` rewrote the index through mkstemp, 0600: every other user then got PermissionError."""
+    from hf_moe.cli import main as cli
+
+    index = saved / checkpoint.INDEX_NAME
+    os.chmod(index, mode)
+    _edit_config(saved)
+    assert cli(["verify", "--update", str(saved)]) == 0
+    assert index.stat().st_mode & 0o777 == mode
+    assert MoEForCausalLM.from_pretrained(saved).config.num_experts_per_tok == 1
+
+
+def test_a_killed_verify_update_leaves_nothing_the_next_one_keeps(moe, saved):
+    """A `verify --update` killed before its rename left `.model.safetensors.index.json.<random>` in the checkpoint,
+    and the next --update left it there. It stages the index as a save stages a directory (a token and a lock,
+    commit.py): the next --update removes what a killed one left, and a save does not carry it into the new model."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_moe.cli import main as cli
+
+    root = Path(__file__).resolve().parents[1]
+    before = sorted(p.name for p in saved.iterdir())
+    _edit_config(saved)
+    code = ("import os, signal, sys; os.replace = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+            "from hf_moe.checkpoint import record_config_files; record_config_files(sys.argv[1])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c", code, str(saved)], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(p.name for p in saved.iterdir()) != before  # it did leave its staging
+    with pytest.raises(CheckpointError, match="changed since the save"):  # (the old index: the edit is unrecorded)
+        MoEForCausalLM.from_pretrained(saved)
+    copy = shutil.copytree(saved, saved.parent / "copy", symlinks=True)
+    assert cli(["verify", "--update", str(saved)]) == 0  # the next update
+    assert sorted(p.name for p in saved.iterdir()) == before
+    assert MoEForCausalLM.from_pretrained(saved).config.num_experts_per_tok == 1
+    moe.save_pretrained(copy)  # the next save
+    assert sorted(p.name for p in copy.iterdir()) == before

@@ -64,12 +64,24 @@ def test_every_option(dense_dir, tmp_path):
         (["convert", "DENSE", "OUT", "--num-experts", "4", "--top-k", "8"], "top_k must be"),
         (["convert", "DENSE", "OUT", "--num-experts", "4", "--top-k", "2", "--layers", "9"], "out of range"),
         (["inspect", "/no/such/moe"], "no config.json"),
+        (["convert", "DENSE", "OUT", "--num-experts", "4", "--top-k", "2", "--seed", str(2**70)],
+         "seed must be an int from 0 to 2**64 - 1"),  # (was torch's "Overflow when unpacking long long")
+        (["verify", "DENSE"], "holds a `qwen2` model, not an hf_moe checkpoint"),  # (exited 1, as if damaged)
     ],
 )
 def test_errors_exit_2_with_a_message(argv, message, dense_dir, tmp_path, capsys):
     argv = [str(dense_dir) if a == "DENSE" else str(tmp_path / "o") if a == "OUT" else a for a in argv]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_with_an_empty_prompt_is_an_error_not_a_traceback(dense_dir, tmp_path, capsys):
+    """`hf-moe generate MODEL ""` ended in a RuntimeError traceback from generate (no input tokens)."""
+    out = tmp_path / "moe"
+    assert main(["convert", str(dense_dir), str(out), "--num-experts", "2", "--top-k", "1"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out), ""]) == 2
+    assert "The prompt is empty" in capsys.readouterr().err
 
 
 def test_console_script_is_installed():

@@ -160,8 +160,115 @@ def test_a_save_waits_for_a_load_then_the_load_is_told(tmp_path):
     MoEForCausalLM.from_pretrained(out)  # the save is complete
 
 
+@pytest.mark.slow
+def test_a_reader_process_with_several_threads_does_not_starve_a_save(tmp_path, monkeypatch):
+    """A reader process whose threads overlap their reads (each passed the turnstile unchecked while another held a
+    read: a nested read, as the process saw it) kept a save waiting the full HF_MOE_COMMIT_WAIT (600 s), then its
+    loads got CheckpointBusyError; two reader processes let it through in 0.3 s. A nested read is now one of the same
+    thread: other threads queue behind the writer like other processes."""
+    import warnings
+
+    from hf_moe import MoEForCausalLM
+    from hf_moe.checkpoint import reading
+
+    models = _models()
+    out = tmp_path / "out"
+    models[0].save_pretrained(out)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    readers = subprocess.Popen([sys.executable, __file__, "read-threads", str(out), "4"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert readers.stdout.readline().strip() == "ready", readers.stderr.read()[-3000:]
+        monkeypatch.setenv("HF_MOE_COMMIT_WAIT", "30")
+        for model in (models[1], models[0]):  # (the first save makes the turnstile: the second finds it in place)
+            start = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.save_pretrained(out)
+            assert time.monotonic() - start < 15, time.monotonic() - start
+            assert not [w for w in caught if "still running" in str(w.message)]  # (starved: swapped after the wait)
+        assert readers.poll() is None, readers.stderr.read()[-3000:]  # the readers read on
+    finally:
+        readers.kill()
+        readers.communicate()
+    COUNTS["rounds"] += 2
+    with reading(out):
+        assert torch.equal(MoEForCausalLM.from_pretrained(out).lm_head.weight, models[0].lm_head.weight)
+
+
+def test_a_save_inside_a_read_of_its_own_directory_fails_at_once(tmp_path, monkeypatch):
+    """save_pretrained(OUT) inside `reading(OUT)` in the same thread waited HF_MOE_COMMIT_WAIT for a read that could
+    not end before it returned, then blamed "another process". It is refused at once, saying why; the read is
+    unharmed."""
+    from hf_moe import MoEForCausalLM
+    from hf_moe.checkpoint import reading
+
+    models = _models()
+    out = tmp_path / "out"
+    models[0].save_pretrained(out)
+    monkeypatch.setenv("HF_MOE_COMMIT_WAIT", "5")
+    start = time.monotonic()
+    with reading(out):
+        with pytest.raises(RuntimeError, match="inside a read of it in the same thread"):
+            models[1].save_pretrained(out)
+        loaded = MoEForCausalLM.from_pretrained(out)
+    assert time.monotonic() - start < 4
+    assert torch.equal(loaded.lm_head.weight, models[0].lm_head.weight)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.hf_moe-")]
+
+
+@pytest.mark.slow
+def test_a_commit_wait_that_is_no_number_of_seconds_is_named(tmp_path, monkeypatch):
+    """HF_MOE_COMMIT_WAIT=nan waited forever (every comparison with NaN is false); a negative or non-numeric value was
+    taken silently. A save that has to wait now says what is wrong with it (here, waiting for a read held by this
+    process, in a child process with a timeout); "inf" waits as long as the reads take."""
+    from hf_moe.checkpoint import reading
+    from hf_moe.checkpoint.snapshot import _commit_wait_s
+
+    for value in ("-1", "ten", ""):
+        monkeypatch.setenv("HF_MOE_COMMIT_WAIT", value)
+        with pytest.raises(ValueError, match="is not a number of seconds"):
+            _commit_wait_s()
+    monkeypatch.setenv("HF_MOE_COMMIT_WAIT", "inf")
+    assert _commit_wait_s() == float("inf")
+    out = tmp_path / "out"
+    _models()[0].save_pretrained(out)
+    monkeypatch.setenv("HF_MOE_COMMIT_WAIT", "nan")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_MOE_BACKEND": "torch"}  # (the save needs no kernel: no wait for a build of the extension elsewhere)
+    with reading(out):  # the save has to wait for this read
+        saver = subprocess.run([sys.executable, __file__, "save-once", str(out)], capture_output=True, text=True,
+                               env=env, cwd=ROOT, timeout=120)
+    assert saver.returncode != 0 and "HF_MOE_COMMIT_WAIT='nan' is not a number of seconds" in saver.stderr, (
+        saver.stderr[-2000:])
+
+
+def read_threads(out: Path, threads: int) -> None:
+    """Readers: `threads` threads of this process, each reading `out` in a loop (50 ms per read, staggered so that
+    some thread always holds a read), until killed."""
+    import threading
+
+    from hf_moe.checkpoint import reading
+
+    def loop(offset: float) -> None:
+        time.sleep(offset)
+        while True:
+            with reading(out):
+                time.sleep(0.05)
+
+    for i in range(threads):
+        threading.Thread(target=loop, args=(i * 0.05 / threads,), daemon=True).start()
+    time.sleep(0.2)
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "save":
+    if sys.argv[1] == "read-threads":
+        read_threads(Path(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1] == "save":
         save_loop(Path(sys.argv[2]), float(sys.argv[3]))
     elif sys.argv[1] == "save-once":  # model B into OUT; prints the seconds the save took
         model = _models()[1]

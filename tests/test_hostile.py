@@ -5,10 +5,14 @@ must be refused with a message that names the bad file, except flipped data byte
 with verification every one is refused. Reads outside the checkpoint are counted by inotify on the directory that
 holds the bait files (any reader, Rust included). The module prints one line:
 
-    M hostile files over K classes, 0 accepted (under verify), 0 read outside
+    M hostile files over K classes, 0 accepted (under verify), 0 read outside; H loads by Hub id exact, E size
+    estimates within 1%
 
 Section 11 on (issue 20): special files, links out, memory bombs, headers the safetensors reader refuses, base config
 values, config files under the checksums, the offloaded path's verification, and the one guarded opener.
+
+Section 14 on (issue 28): checkpoints named by Hub id (a Hugging Face cache laid out as huggingface_hub writes it),
+int8 experts' scales, hostile merge recipes, and conversions too large for the disk or the memory.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from hf_moe import CheckpointError, MoEForCausalLM, convert_checkpoint, convert_
 from hf_moe.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTS = {"hostile": 0, "outside": 0, "verify": 0}
+COUNTS = {"hostile": 0, "outside": 0, "verify": 0, "hub": 0, "estimates": 0}
 CLASSES: set[str] = set()  # the tests that presented hostile files: one class of input each
 
 
@@ -51,7 +55,8 @@ def _report_counts(request):
     without -s or -rA)."""
     yield
     line = (f"test_hostile.py: {COUNTS['hostile']} hostile files over {len(CLASSES)} classes, {COUNTS['verify']} "
-            f"accepted (under verify), {COUNTS['outside']} read outside")
+            f"accepted (under verify), {COUNTS['outside']} read outside; {COUNTS['hub']} loads by Hub id exact, "
+            f"{COUNTS['estimates']} size estimates within 1%")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         print(f"\n{line}", flush=True)
@@ -909,7 +914,8 @@ BASE_VALUES = {
     "no attention heads": ({"num_attention_heads": 0}, "num_attention_heads"),
     "head_dim 0": ({"head_dim": 0}, "head_dim"),
     "vocab_size a string": ({"vocab_size": "256"}, "vocab_size"),
-    "pad_token_id past the vocabulary": ({"pad_token_id": 10**6}, "pad_token_id"),
+    "eos_token_id a string": ({"eos_token_id": "2"}, "eos_token_id"),
+    "bos_token_id a float": ({"bos_token_id": 1.5}, "bos_token_id"),
     "an attention implementation not installed": ({"_attn_implementation": "flash_attention_2"}, "config.json"),
     "a million layers": ({"num_hidden_layers": 10**6}, "num_hidden_layers"),
 }
@@ -918,8 +924,9 @@ BASE_VALUES = {
 @pytest.mark.parametrize("case", sorted(BASE_VALUES))
 def test_base_config_values_are_checked(saved, tmp_path, capsys, case):
     """The base model's values: NaN or negative epsilons and rope_theta loaded under verification and computed NaN
-    (or silently other) logits; zero heads, a string vocabulary, a pad id past the vocabulary, an attention
-    implementation that is not installed escaped as ZeroDivisionError, AssertionError, ImportError. Each is refused
+    (or silently other) logits; zero heads, a string vocabulary, a token id that is no int, an attention
+    implementation that is not installed escaped as ZeroDivisionError, AssertionError, ImportError. (A token id past
+    the vocabulary loads, as in transformers: tests/test_families.py.) Each is refused
     naming config.json and the field, by every load and by `hf-moe verify` (before any checksum: the message says
     what is wrong, not only that the file changed)."""
     edit, text = BASE_VALUES[case]
@@ -1002,17 +1009,30 @@ def test_offloaded_experts_are_verified(saved, tmp_path, capsys, mode):
         assert path.name in capsys.readouterr().err
 
 
-def test_an_expert_file_overwritten_in_place_is_noticed(saved, tmp_path):
+@pytest.mark.parametrize("mtime", ["changed", "restored (cp -p)"])
+def test_an_expert_file_overwritten_in_place_is_noticed(saved, tmp_path, mtime):
     """Offloaded generation read on after an expert file was overwritten in place (tokens changed, logits went
-    non-finite, no error). Every read checks the file's size and modification time against those at load."""
+    non-finite, no error); with the modification time put back, as `cp -p` does, the size-and-mtime check let it
+    through (issue 28). Every read checks the file's size, modification time and inode change time against those at
+    load. A save that replaces the directory (unlinking the old files: their change time moves too) is not a change."""
     directory = copy_of(saved[0], tmp_path / "moe")
     other = tmp_path / "other"
     convert_to_moe(tiny_dense("llama", seed=3), num_experts=4, top_k=2, noise=0.05).save_pretrained(other)
     model = MoEForCausalLM.from_pretrained(directory, offload_experts="disk", max_expert_memory="150KB")  # 2 experts
     assert torch.allclose(logits(model), saved[1], atol=1e-5)
+    if mtime != "changed":  # a save into the directory meanwhile: the model reads on from the files it opened
+        MoEForCausalLM.from_pretrained(other).save_pretrained(directory)
+        assert torch.allclose(logits(model), saved[1], atol=1e-5)
+        directory = copy_of(saved[0], tmp_path / "moe2")
+        model = MoEForCausalLM.from_pretrained(directory, offload_experts="disk", max_expert_memory="150KB")
+        assert torch.allclose(logits(model), saved[1], atol=1e-5)
     for e in range(4):  # another model's expert files, written over these in place (same size)
-        with open(expert_file(directory, e), "r+b") as f:
+        path = expert_file(directory, e)
+        before = os.stat(path)
+        with open(path, "r+b") as f:
             f.write(expert_file(other, e).read_bytes())
+        if mtime != "changed":
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     hostile()
     refused(lambda: logits(model), "changed on disk")
 
@@ -1031,11 +1051,16 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/offload/stats.py", 'open("/proc/self/status")'): "this process's memory statistics",
     ("hf_moe/inspect.py", "data_file.read_text("): "the text file named by `hf-moe inspect --data`",
     ("hf_moe/convert/merge_config.py", "path.read_text("): "the merge recipe (YAML) the user names, not a checkpoint",
+    ("hf_moe/convert/merge_config.py", 'open(path, "rb")'): "the start of a calibration text file the recipe names",
     ("hf_moe/convert/stream.py", "os.open(self.directory / filename, flags"): "writes its own staging files",
     ("hf_moe/checkpoint/commit.py", "os.open(lock, "): "creates the writer's lock file beside OUT",
     ("hf_moe/checkpoint/commit.py", "os.open(_lock_path(target, token)"): "locks a writer's lock file beside OUT",
     ("hf_moe/checkpoint/commit.py", "shutil.copytree(src, dst"): "carries the old OUT's unrelated files (links them)",
     ("hf_moe/checkpoint/commit.py", "shutil.copy2(src, dst"): "carries an unrelated file where it cannot be linked",
+    ("hf_moe/checkpoint/commit.py", "os.open(staging, "): "writes a file's staged replacement (replace_file)",
+    ("hf_moe/convert/estimate.py", 'open("/proc/meminfo")'): "the machine's available memory",
+    ("hf_moe/convert/estimate.py", 'open("/sys/fs/cgroup/memory.max")'): "this cgroup's memory limit",
+    ("hf_moe/convert/estimate.py", 'open("/sys/fs/cgroup/memory.current")'): "this cgroup's memory use",
     ("hf_moe/checkpoint/snapshot.py", "os.open(directory, os.O_RDONLY"): "opens the directory itself, to lock it",
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(directory)"): "the readers' turnstile lock beside OUT",
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(target)"): "the writers' turnstile lock beside OUT",
@@ -1061,3 +1086,450 @@ def test_every_read_of_a_checkpoint_file_goes_through_the_guard():
             unused.pop(key, None)
     assert not found, "reads that bypass hf_moe/checkpoint/guard.py:\n" + "\n".join(found)
     assert not unused, f"allow-list entries that match nothing any more: {sorted(unused)}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 14. A checkpoint named by its Hub id (issue 28): resolved to its snapshot in the cache, then checked as any directory
+# --------------------------------------------------------------------------------------------------------------
+def hub_cache(source: Path, cache: Path, repo: str = "org/moe", revision: str = "main", subfolder: str = "") -> Path:
+    """Lay `source` out as huggingface_hub caches a download of `repo` (offline, nothing fetched): each file's bytes in
+    blobs/<sha256>, snapshots/<commit>/[subfolder/]<file> a relative link to its blob, refs/<revision> naming the
+    commit. Returns the snapshot's directory (the subfolder's)."""
+    import hashlib
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
+    snapshot = root / "snapshots" / commit / subfolder
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file():
+            data = path.read_bytes()
+            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache, offline, which huggingface_hub (so `hf-moe`) uses by default."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_a_hub_id_loads_from_its_cached_snapshot_after_the_checks(saved, hub, capsys):
+    """The cache's layouts transformers reads: refs/main, another branch, a commit hash as revision, a subfolder,
+    an explicit cache_dir; by from_pretrained, the Auto class, the offloaded load and every command."""
+    from conftest import tiny_tokenizer
+
+    source = copy_of(saved[0], hub.parent / "src")
+    tiny_tokenizer().save_pretrained(source)
+    snapshot = hub_cache(source, hub)
+    hub_cache(source, hub, revision="dev")
+    hub_cache(source, hub, repo="org/nested", subfolder="moe")
+    model = MoEForCausalLM.from_pretrained("org/moe")
+    assert torch.equal(logits(model), saved[1]) and model.config.name_or_path == "org/moe"
+    for kwargs in ({"revision": "dev"}, {"revision": snapshot.name}, {"cache_dir": str(hub)}):
+        assert torch.equal(logits(MoEForCausalLM.from_pretrained("org/moe", **kwargs)), saved[1]), kwargs
+    assert torch.equal(logits(MoEForCausalLM.from_pretrained("org/nested", subfolder="moe")), saved[1])
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained("org/moe", cache_dir=str(hub))), saved[1])
+    offloaded = MoEForCausalLM.from_pretrained("org/moe", offload_experts="disk", max_expert_memory="1GB")
+    assert torch.allclose(logits(offloaded), saved[1], atol=1e-5)
+    capsys.readouterr()
+    assert cli(["verify", "org/moe"]) == 0
+    assert cli(["inspect", "org/moe"]) == 0
+    assert cli(["generate", "org/moe", "abc", "--max-new-tokens", "2"]) == 0
+    COUNTS["hub"] += 10  # (refs/main, a branch, a commit, cache_dir, a subfolder, Auto, offloaded, 3 commands)
+    assert "Traceback" not in capsys.readouterr().err
+    assert cli(["verify", "--update", "org/moe"]) == 2  # (the cache is not the user's to edit)
+    assert "Hugging Face cache" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="not a local directory, and the Hugging Face cache"):
+        MoEForCausalLM.from_pretrained("org/absent")
+
+
+def _blob(snapshot: Path, name: str) -> Path:
+    return Path(os.path.realpath(snapshot / name))
+
+
+def _flip_blob_byte(snapshot: Path) -> str:
+    blob = _blob(snapshot, expert_file(snapshot).name)
+    raw = bytearray(blob.read_bytes())
+    raw[-5] ^= 0x10
+    blob.write_bytes(raw)
+    return expert_file(snapshot).name
+
+
+def _edit_blob_config(snapshot: Path) -> str:
+    edit_json(_blob(snapshot, "config.json"), lambda config: config.update(num_experts_per_tok=1))
+    return "config.json"
+
+
+def _ref_out_of_the_repository(snapshot: Path) -> str:
+    """refs/main names `snapshots/../../outside`: a checkpoint in the cache's root, outside the repository."""
+    (snapshot.parents[1] / "refs" / "main").write_text("../../outside")
+    shutil.copytree(snapshot, snapshot.parents[2] / "outside")
+    return "refs are damaged"
+
+
+HUB_CASES = {"a flipped weight byte": _flip_blob_byte, "an edited config.json": _edit_blob_config,
+             "a ref that leaves the repository": _ref_out_of_the_repository}
+
+
+@pytest.mark.parametrize("case", sorted(HUB_CASES))
+def test_a_hub_id_gets_every_check_a_directory_gets(saved, hub, capsys, case):
+    """By Hub id, from_pretrained ran none of the checks (they ran `if os.path.isdir(...)`): a flipped weight byte
+    loaded under verify_checksums=True, an edited config.json loaded. The id is resolved to its snapshot first; the
+    same snapshot by path and by id are refused alike, by from_pretrained and by `hf-moe verify`."""
+    snapshot = hub_cache(saved[0], hub)
+    named = HUB_CASES[case](snapshot)
+    hostile()
+    refused(lambda: MoEForCausalLM.from_pretrained("org/moe", verify_checksums=True), named)
+    refused(lambda: logits(MoEForCausalLM.from_pretrained("org/moe", offload_experts="disk",
+                                                          max_expert_memory="1GB")), named)
+    capsys.readouterr()
+    assert cli(["verify", "org/moe"]) in (1, 2)  # 1: damaged; 2: the id names no checkpoint
+    assert named in capsys.readouterr().err
+
+
+def test_int8_experts_by_hub_id_are_refused_as_floats_and_load_with_load_quantized(saved, hub, tmp_path, capsys):
+    """By Hub id, an int8 checkpoint loaded silently as a float model holding the raw int8 integers (logits off by
+    0.81, another argmax), and load_quantized("org/name") answered "has no config.json"."""
+    from conftest import tiny_tokenizer
+
+    import hf_moe
+
+    model = hf_moe.quantize_experts(MoEForCausalLM.from_pretrained(saved[0]), "int8")
+    hf_moe.save_quantized(model, tmp_path / "int8")
+    tiny_tokenizer().save_pretrained(tmp_path / "int8")
+    hub_cache(tmp_path / "int8", hub, repo="org/int8")
+    hostile()
+    refused(lambda: MoEForCausalLM.from_pretrained("org/int8"), "load_quantized")
+    assert torch.equal(logits(hf_moe.load_quantized("org/int8")), logits(model))
+    capsys.readouterr()
+    assert cli(["generate", "org/int8", "abc", "--max-new-tokens", "2"]) == 0
+    assert cli(["verify", "org/int8"]) == 0
+    COUNTS["hub"] += 3  # (load_quantized, generate, verify)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 15. int8 experts (issue 28): their scales checked by every load and by verify, and written only when sound
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quantized(saved, tmp_path_factory):
+    """The saved model with int8 experts (save_quantized, with a tokenizer), and its logits."""
+    from conftest import tiny_tokenizer
+
+    import hf_moe
+
+    directory = tmp_path_factory.mktemp("int8") / "moe"
+    model = hf_moe.quantize_experts(MoEForCausalLM.from_pretrained(saved[0]), "int8")
+    hf_moe.save_quantized(model, directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory, logits(model)
+
+
+def _set_scale(path: Path, value: float) -> str:
+    """Set the first int8 scale of the file's first `_scale` tensor to `value` (F32, in place); returns its key."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    key, meta = next((k, m) for k, m in sorted(json.loads(raw[8 : 8 + n]).items()) if k.endswith("_scale"))
+    struct.pack_into("<f", raw, 8 + n + meta["data_offsets"][0], value)
+    path.write_bytes(raw)
+    return key
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -0.5])
+def test_int8_scales_that_are_nan_inf_or_negative_are_refused_everywhere(quantized, tmp_path, capsys, value):
+    """load_quantized and `hf-moe generate` refused them; the offloaded loads ("disk" and "cpu") and `generate
+    --offload-experts` ran them into non-finite logits, and verify said OK (the checksums recorded to match, as when
+    save_quantized wrote them). Now every path refuses them, naming the file and the tensor."""
+    import hf_moe
+
+    directory = copy_of(quantized[0], tmp_path / "int8")
+    path = expert_file(directory)
+    key = _set_scale(path, value)
+    _record_checksums(directory, path)
+    hostile()
+    refused(lambda: hf_moe.load_quantized(directory), path.name)
+    for mode in ("disk", "cpu"):
+        refused(lambda: logits(MoEForCausalLM.from_pretrained(directory, offload_experts=mode,
+                                                              max_expert_memory="1GB")), key)
+    capsys.readouterr()
+    assert cli(["verify", str(directory)]) == 1
+    assert key in capsys.readouterr().err
+    assert cli(["generate", str(directory), "abc", "--max-new-tokens", "2", "--offload-experts", "disk",
+                "--max-expert-memory", "1GB"]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_save_quantized_writes_no_non_finite_scales(saved, tmp_path):
+    """Experts quantized from weights that are not finite (a diverged run) get NaN or inf scales: save_quantized wrote
+    them. Now the save refuses, and nothing is written."""
+    import hf_moe
+
+    model = MoEForCausalLM.from_pretrained(saved[0])
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[2, 0, 0] = math.inf
+    hf_moe.quantize_experts(model, "int8")
+    hostile()
+    refused(lambda: hf_moe.save_quantized(model, tmp_path / "int8"), "down_proj_scale", error=ValueError)
+    refused(lambda: model.save_pretrained(tmp_path / "int8"), "down_proj_scale", error=ValueError)
+    assert not (tmp_path / "int8").exists() and not _leftovers(tmp_path / "int8")
+
+
+def test_save_pretrained_of_an_int8_model_writes_what_load_quantized_reads(quantized, saved, tmp_path, capsys):
+    """save_pretrained of an int8 model wrote the fused int8 buffers into the non-expert file: a checkpoint nothing
+    loaded, which verify called OK. It writes what save_quantized writes now (one file per expert), bit for bit."""
+    import hf_moe
+
+    model = hf_moe.quantize_experts(MoEForCausalLM.from_pretrained(saved[0]), "int8")
+    model.save_pretrained(tmp_path / "int8")
+    for name in sorted(p.name for p in quantized[0].glob("*.safetensors")):
+        assert load_file(tmp_path / "int8" / name).keys() == load_file(quantized[0] / name).keys(), name
+        assert all(torch.equal(t, load_file(quantized[0] / name)[k]) for k, t in load_file(tmp_path / "int8" / name)
+                   .items()), name
+    assert torch.equal(logits(hf_moe.load_quantized(tmp_path / "int8")), quantized[1])
+    capsys.readouterr()
+    assert cli(["verify", str(tmp_path / "int8")]) == 0
+
+
+@pytest.mark.parametrize("group_size", [0, -32, 48, "32"])
+def test_a_bad_int8_group_size_is_named(saved, tmp_path, group_size):
+    """group_size=0 escaped as a bare ZeroDivisionError (from quantize_experts, and from config.json at load)."""
+    import hf_moe
+
+    model = MoEForCausalLM.from_pretrained(saved[0])
+    refused(lambda: hf_moe.quantize_experts(model, "int8", group_size=group_size), "group_size", error=ValueError)
+
+
+def test_a_bad_int8_group_size_in_config_json_is_named(quantized, tmp_path):
+    import hf_moe
+
+    directory = copy_of(quantized[0], tmp_path / "int8")
+    edit_json(directory / "config.json", lambda config: config["expert_quantization"].update(group_size=0))
+    from hf_moe.checkpoint import record_config_files
+
+    record_config_files(directory)
+    hostile()
+    refused(lambda: hf_moe.load_quantized(directory), "config.json", "group_size")
+    refused(lambda: MoEForCausalLM.from_pretrained(directory, offload_experts="disk", max_expert_memory="1GB"),
+            "config.json", "group_size")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 16. Merge recipes (issue 28): non-finite scales, alias bombs, deep nesting, bad dtypes, empty calibration text
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dense_sources(tmp_path_factory):
+    """A tiny base Llama and two 'fine-tunes' of it (other seeds), each with a tokenizer."""
+    from conftest import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("dense")
+    paths = []
+    for seed in range(3):
+        tiny_dense("llama", seed=seed).save_pretrained(root / f"m{seed}")
+        tiny_tokenizer().save_pretrained(root / f"m{seed}")
+        paths.append(str(root / f"m{seed}"))
+    return paths
+
+
+def _merge_yaml(path: Path, sources: list[str], first: str = "", top: str = "", gate_mode: str = "random",
+                dtype: str = "float32", second: str = "") -> Path:
+    """A mergekit-moe recipe over `sources` (base, then two experts): `first` and `second` are more lines of each
+    expert's mapping, `top` more top-level lines."""
+    path.write_text(f"base_model: {sources[0]}\ngate_mode: {gate_mode}\ndtype: {dtype}\n{top}experts:\n"
+                    f"  - source_model: {sources[1]}\n{first}  - source_model: {sources[2]}\n{second}")
+    return path
+
+
+def _alias_bomb(levels: int) -> str:
+    """A flow list whose last item expands to 9**levels strings, in a few hundred bytes of YAML."""
+    items = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+_PROMPTS = ("    positive_prompts: [the quick brown fox]\n", "    positive_prompts: [a mixture of experts]\n")
+# case -> (_merge_yaml's keyword arguments, the field the error names)
+MERGE_CASES = {
+    "residual_scale .nan": (dict(first="    residual_scale: .nan\n"), "residual_scale"),
+    "noise_scale .inf": (dict(first="    noise_scale: .inf\n"), "noise_scale"),
+    "residual_scale 1e300": (dict(first="    residual_scale: 1.0e+300\n"), "residual_scale"),
+    "an alias bomb in a field": (dict(first=f"    positive_prompts: {_alias_bomb(8)}\n"), "positive_prompts"),
+    "a list nested 3000 deep": (dict(top="layers: " + "[" * 3000 + "]" * 3000 + "\n"), "nests"),
+    "hidden_dtype: banana": (dict(top="hidden_dtype: banana\n", gate_mode="hidden", first=_PROMPTS[0],
+                                  second=_PROMPTS[1]), "hidden_dtype"),
+    "dtype: int8": (dict(dtype="int8"), "dtype"),
+    "seed: 2**70": (dict(top=f"seed: {2**70}\n"), "seed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MERGE_CASES))
+def test_hostile_merge_recipes_are_refused_at_once(dense_sources, tmp_path, capsys, case):
+    """`hf-moe merge` wrote NaN/inf experts for residual_scale .nan, noise_scale .inf or 1e300 (and its parity line said
+    0.00e+00); a 700-byte alias bomb cost 50-90 s and 4 GB in a message's repr, then a MemoryError; a deep list, a
+    dtype named banana (or int8) and a seed past 2**64 ended in tracebacks or torch's "Overflow when unpacking long
+    long". Each is refused at once, naming the field, and nothing is written."""
+    import time
+
+    kwargs, named = MERGE_CASES[case]
+    recipe = _merge_yaml(tmp_path / "merge.yml", dense_sources, **kwargs)
+    hostile()
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert cli(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - start < 5
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err and len(err) < 3000, err[-3000:]
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path / "out")
+
+
+@pytest.mark.parametrize("scale", ["noise_scale: 1.0e+19", "residual_scale: 1.0e+300"])
+def test_a_merged_expert_that_overflows_is_refused_not_reported_as_exact(dense_sources, tmp_path, capsys,
+                                                                         monkeypatch, scale):
+    """Past the recipe's bounds (lifted here): noise of 1e19 gives finite weights whose outputs overflow, and the parity
+    check (max(0.0, nan) is 0.0) printed "reproduces its source model's MLP within 0.00e+00"; a residual_scale of 1e300
+    gives infinite weights, which were written. Each expert is checked as written, and nothing is."""
+    import hf_moe.convert.merge_config as merge_config
+
+    monkeypatch.setattr(merge_config, "MAX_SCALE", math.inf, raising=False)
+    recipe = _merge_yaml(tmp_path / "merge.yml", dense_sources, f"    {scale}\n")
+    hostile()
+    capsys.readouterr()
+    assert cli(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "experts[0]" in err and "layer 0" in err and scale.split(":")[0] in err, err[-2000:]
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path / "out")
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf])
+def test_verify_names_an_expert_that_holds_nan_saved_with_matching_checksums(saved, tmp_path, capsys, value):
+    """A checkpoint saved with non-finite experts (a bad merge or a diverged run: its checksums match) loaded and
+    computed NaN, and `hf-moe verify` said OK. Verify counts every floating tensor's NaN and infinite values in its
+    pass over the bytes, and names each tensor that holds any."""
+    directory = copy_of(saved[0], tmp_path / "moe")
+    path = expert_file(directory, 2)
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    key, meta = next((k, m) for k, m in sorted(json.loads(raw[8 : 8 + n]).items()) if k.endswith("down_proj"))
+    struct.pack_into("<f", raw, 8 + n + meta["data_offsets"][0] + 4 * 7, value)
+    path.write_bytes(raw)
+    _record_checksums(directory, path)
+    hostile()
+    capsys.readouterr()
+    assert cli(["verify", str(directory)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path.name}: tensor '{key}' holds 1 NaN or infinite value(s)" in err, err
+
+
+def test_a_source_mlp_that_holds_nan_is_named(dense_sources, tmp_path, capsys):
+    """A source whose MLP holds NaN was refused as "could not reproduce its output (max abs difference nan)": as if
+    its forward were unusual. The merge now says what is wrong, naming the source and the layer."""
+    from transformers import AutoModelForCausalLM as Dense
+
+    broken = tmp_path / "broken"
+    model = Dense.from_pretrained(dense_sources[1])
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = math.nan
+    model.save_pretrained(broken)
+    shutil.copy(Path(dense_sources[1]) / "tokenizer.json", broken)
+    shutil.copy(Path(dense_sources[1]) / "tokenizer_config.json", broken)
+    recipe = _merge_yaml(tmp_path / "merge.yml", [dense_sources[0], str(broken), dense_sources[2]])
+    hostile()
+    capsys.readouterr()
+    assert cli(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{broken}, layer 1" in err and "NaN" in err, err[-2000:]
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path / "out")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_empty_calibration_text_is_named(dense_sources, tmp_path, capsys, content):
+    """An empty calibration_data file ended in datasets' DatasetGenerationError traceback."""
+    empty, text = tmp_path / "domain.txt", tmp_path / "other.txt"
+    empty.write_text(content)
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    recipe = _merge_yaml(tmp_path / "merge.yml", dense_sources, f"    calibration_data: {empty}\n",
+                         gate_mode="calibration", second=f"    calibration_data: {text}\n")
+    hostile()
+    capsys.readouterr()
+    assert cli(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert empty.name in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 17. Conversions that cannot fit (issue 28): refused before any work, with the numbers
+# --------------------------------------------------------------------------------------------------------------
+def test_a_conversion_to_2_to_the_40_experts_is_refused_at_once(dense_sources, tmp_path):
+    """2**40 experts kept growing (memory, files) until the machine gave out; 100000 experts of a 0.4 MB model streamed
+    22 GB in 100,004 files. The output is estimated from the dense model first, streaming and in memory. (In a child
+    process with 4 GB of address space and a timeout: what failed here would otherwise take the machine with it.)"""
+    out = tmp_path / "out"
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
+            "from hf_moe.cli import main; "
+            "argv = ['convert', sys.argv[1], sys.argv[2], '--num-experts', str(2**40), '--top-k', '2']; "
+            "print('exit', main(argv), main(argv + ['--in-memory']), file=sys.stderr)")
+    env = {**os.environ, "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    hostile(2)
+    result = subprocess.run([sys.executable, "-c", code, dense_sources[0], str(out)], capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=300)
+    assert "exit 2 2" in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("HF_MOE_SKIP_SIZE_CHECK") == 2 and "244.0 PB in 1,099,511,627,783 files" in (
+        result.stderr), result.stderr[-3000:]
+    assert "more than the dense model" in result.stderr  # (the in-memory estimate)
+    assert not out.exists() and not _leftovers(out)
+
+
+def test_a_conversion_larger_than_the_free_space_or_memory_is_refused(dense_sources, tmp_path, capsys, monkeypatch):
+    """512 experts of the tiny model (~110 MB) against 50 MB free, and in memory against 50 MB available: refused
+    with the sizes; HF_MOE_SKIP_SIZE_CHECK=1 goes ahead."""
+    import hf_moe.convert.estimate as estimate
+
+    monkeypatch.setattr(estimate, "free_space", lambda where: (50 << 20, None))
+    monkeypatch.setattr(estimate, "available_memory", lambda: 50 << 20)
+    out = tmp_path / "out"
+    hostile(2)
+    capsys.readouterr()
+    assert cli(["convert", dense_sources[0], str(out), "--num-experts", "512", "--top-k", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "MB" in err and "512 experts x 3 MoE layer(s)" in err and "52.4 MB free" in err, err
+    refused(lambda: convert_to_moe(tiny_dense("llama"), num_experts=512, top_k=2), "52.4 MB of memory is available",
+            "convert_checkpoint", error=ValueError)
+    assert not out.exists() and not _leftovers(out)
+    monkeypatch.setenv("HF_MOE_SKIP_SIZE_CHECK", "1")
+    assert cli(["convert", dense_sources[0], str(out), "--num-experts", "8", "--top-k", "2"]) == 0
+    assert MoEForCausalLM.from_pretrained(out).config.num_experts == 8
+
+
+def test_the_size_estimate_matches_what_is_written(dense_sources, tmp_path):
+    """The estimate (bytes, files) against the checkpoint a conversion writes: within 1% of its tensors' bytes
+    (headers, index, config and card are the rest), and its file count."""
+    from hf_moe.convert.adapters import extract_mlp, find_decoder_layers, find_mlp
+    from hf_moe.convert.api import _expert_sizes
+    from hf_moe.convert.estimate import estimate_conversion
+
+    for method, experts, shared in (("upcycle", 8, 1), ("split", 4, 0)):
+        out = tmp_path / f"{method}-{experts}-{shared}"
+        dense = tiny_dense("llama")
+        _, layers = find_decoder_layers(dense)
+        mlp = extract_mlp(layers[0], find_mlp(layers[0]), dense.config)
+        sizes = _expert_sizes(method, mlp, experts, shared)
+        size = estimate_conversion(sum(p.numel() * 4 for p in dense.parameters()), mlp, sizes, experts, len(layers),
+                                   shared, 4, 5 << 30)
+        convert_checkpoint(dense_sources[0], out, experts, 2, method=method, num_shared_experts=shared, progress=False)
+        weights = sum(m["data_offsets"][1] - m["data_offsets"][0] for path in out.glob("*.safetensors")
+                      for k, m in checkpoint.read_safetensors_header(path).items() if k != "__metadata__")
+        assert abs(size.output_bytes - weights) < 0.01 * weights, (method, size, weights)
+        assert size.files - 6 == len(list(out.glob("*.safetensors"))), (method, size.files)
+        COUNTS["estimates"] += 1

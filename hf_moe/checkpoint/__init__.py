@@ -5,6 +5,7 @@ load and verify. Each module does one of these; this package re-exports what the
     guard.py       the one way a file of a checkpoint is opened (inside the directory, a regular file, bounded)
     headers.py     safetensors headers, read and checked
     checksums.py   per-file and per-tensor hashes (and of the config files), recorded at save and checked at load
+    hub.py         a checkpoint named by its Hub id, resolved to its snapshot in the Hugging Face cache
     layout.py      fused expert parameters <-> per-expert keys, and shards planned by size
     snapshot.py    readers see the old or the new checkpoint: a save's swap waits for loads in progress
     commit.py      staging, locks, the atomic swap, recovery from killed writers
@@ -27,6 +28,7 @@ from .format import (
 )
 from .guard import checkpoint_file, copy_files, open_file, read_bytes, read_json, stays_inside
 from .headers import read_safetensors_header
+from .hub import HUB_KWARGS, is_hub_id, resolve_checkpoint
 from .layout import checkpoint_state_dict, split_experts
 from .load import (
     load_checkpoint, load_tokenizer, local_expert_view, missing_keys_error, validate_checkpoint, validate_files,
@@ -37,12 +39,12 @@ from .verify import VerifyReport, record_config_files, verify_checkpoint
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION", "CHECKSUM_ALGORITHM", "CHECKSUM_ALGORITHMS", "CONFIG_FILES", "EXPERT_FILE_PREFIX",
-    "EXPERT_KEY", "EXPERT_PARAM_NAMES", "INDEX_NAME", "SAFETENSORS_DTYPES", "TOKENIZER_FILES",
+    "EXPERT_KEY", "EXPERT_PARAM_NAMES", "HUB_KWARGS", "INDEX_NAME", "SAFETENSORS_DTYPES", "TOKENIZER_FILES",
     "VERIFY_CHECKSUMS_BY_DEFAULT", "CheckpointBusyError", "CheckpointError", "VerifyReport", "checkpoint_config",
     "checkpoint_file", "checkpoint_state_dict", "clean_stale_staging", "config_checksums", "copy_files",
-    "expected_expert_keys", "expected_tensors", "file_checksums", "fused_key", "load_checkpoint", "load_tokenizer",
-    "local_expert_view", "missing_keys_error", "open_file", "read_bytes", "read_index", "read_json",
+    "expected_expert_keys", "expected_tensors", "file_checksums", "fused_key", "is_hub_id", "load_checkpoint",
+    "load_tokenizer", "local_expert_view", "missing_keys_error", "open_file", "read_bytes", "read_index", "read_json",
     "read_safetensors_header", "reading", "record_config_files", "recorded_checksums", "recover_interrupted_commit",
-    "resolve_output_directory", "same_directory", "save_checkpoint", "split_experts", "staging_directory",
-    "stays_inside", "validate_checkpoint", "validate_files", "verify_checkpoint",
+    "resolve_checkpoint", "resolve_output_directory", "same_directory", "save_checkpoint", "split_experts",
+    "staging_directory", "stays_inside", "validate_checkpoint", "validate_files", "verify_checkpoint",
 ]

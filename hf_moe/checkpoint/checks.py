@@ -20,8 +20,8 @@ from ..configuration import _FIELD_TYPES, MoEConfig, _brief, _cut
 from ..convert.adapters import find_mlp
 from ..version import __version__
 from .format import (
-    CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHMS, INDEX_NAME, MAX_INDEX_BYTES, SAFETENSORS_DTYPES, CheckpointError,
-    expected_expert_keys,
+    CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHMS, EXPERT_KEY, INDEX_NAME, MAX_INDEX_BYTES, SAFETENSORS_DTYPES,
+    CheckpointError, expected_expert_keys,
 )
 from .guard import check_regular, checkpoint_file, read_json, safe_open_file
 from .headers import read_header
@@ -108,8 +108,10 @@ _SKIPPED = set(_FIELD_TYPES) | {"moe_conversion", "moe_layers", "moe_bypassed_pa
 def check_base_values(directory: Path, config: dict) -> None:
     """The base model's values in config.json make a model that computes numbers: every number finite (in nested
     objects too: `rope_parameters`), epsilons and `rope_theta` positive, dropouts in [0, 1], sizes positive ints,
-    token ids inside the vocabulary. `rms_norm_eps: NaN` would load and compute NaN logits, silently. (MoE fields
-    are MoEConfig's to check, with their own messages.)"""
+    token ids ints. `rms_norm_eps: NaN` would load and compute NaN logits, silently. Only what is unsafe or
+    meaningless is refused, never what transformers loads: a token id past the vocabulary (GPT-2's default eos is
+    50256, a resized vocabulary may be smaller) loads there with a warning, and here too. (MoE fields are
+    MoEConfig's to check, with their own messages.)"""
 
     def bad(name: str, value, what: str) -> CheckpointError:
         return CheckpointError(
@@ -142,16 +144,13 @@ def check_base_values(directory: Path, config: dict) -> None:
         value = config.get(name)
         if value is not None and (type(value) is not int or value < 1):
             raise bad(name, value, "it must be a positive int")
-    vocab = config.get("vocab_size")
-    for name in _TOKEN_IDS:
+    for name in _TOKEN_IDS:  # (past the vocabulary, or -1, transformers loads them with a warning: so does hf_moe)
         value = config.get(name)
         ids = value if isinstance(value, list) else [value]
         if value is None or (isinstance(value, list) and not value):
             continue
         if not all(type(i) is int for i in ids):
             raise bad(name, value, "a token id is an int (or a list of ints, for eos_token_id)")
-        if vocab is not None and not all(-vocab <= i < vocab for i in ids):
-            raise bad(name, value, f"the vocabulary has {vocab} tokens")
 
 
 def check_generation_config(directory: Path) -> None:
@@ -339,23 +338,44 @@ def check_routers(directory: Path, weight_map: dict[str, str], expected: dict, c
     """The routers' tensors (small: E x H per layer) hold only finite numbers: a NaN router routes every token
     arbitrarily, and the model would load and run without a word."""
     prefixes = tuple(f"{config.decoder_layers_path}.{i}.{config.moe_block_path}.gate." for i in config.moe_layers)
+    keys = [key for key in expected if key.startswith(prefixes) and key in weight_map]
+    for filename, key, tensor in _read_tensors(directory, weight_map, keys):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(
+                f"{filename}: the router weights {key} hold {bad} NaN or infinite value(s) of "
+                f"{tensor.numel()}. Every token would be routed arbitrarily. Training diverged before this "
+                "save, or the file is damaged: load an earlier checkpoint."
+            )
+
+
+def check_int8_scales(directory: Path, weight_map: dict[str, str]) -> None:
+    """The scales of int8 experts (`...experts.{e}.<weight>_scale`, `hf_moe.quantize`) are finite and >= 0: a NaN,
+    infinite or negative scale computes non-finite or sign-flipped outputs wherever its expert is picked. Scales are
+    small (one per output channel or group: 1/H of the int8 weights' bytes, times 4)."""
+    keys = [key for key in weight_map if (match := EXPERT_KEY.match(key)) and match["name"].endswith("_scale")]
+    for filename, key, scale in _read_tensors(directory, weight_map, keys):
+        good = torch.isfinite(scale) & (scale >= 0) if scale.is_floating_point() else None
+        if good is not None and not bool(good.all()):
+            raise CheckpointError(
+                f"{filename}: the int8 scales {key} hold {int((~good).sum())} NaN, infinite or negative value(s) "
+                f"of {scale.numel()}: the expert would compute non-finite or sign-flipped outputs. The file is "
+                "damaged, or the model was quantized from non-finite weights: quantize and save it again."
+            )
+
+
+def _read_tensors(directory: Path, weight_map: dict[str, str], keys: list[str]):
+    """Yield (file, key, tensor) of the tensors `keys`, one file open at a time, through the guarded opener."""
     by_file = defaultdict(list)
-    for key in expected:
-        if key.startswith(prefixes) and key in weight_map:
-            by_file[weight_map[key]].append(key)
-    for filename, keys in sorted(by_file.items()):
+    for key in keys:
+        by_file[weight_map[key]].append(key)
+    for filename, names in sorted(by_file.items()):
         try:
             with safe_open_file(directory, filename, INDEX_NAME) as f:
-                tensors = {key: f.get_tensor(key) for key in keys}
+                tensors = {key: f.get_tensor(key) for key in names}
         except CheckpointError:
             raise
         except Exception as err:  # noqa: BLE001 - safetensors' own checks: name the file
             raise CheckpointError(f"{filename} is corrupt: {_cut(str(err), 300)}") from None
         for key, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                bad = int((~torch.isfinite(tensor)).sum())
-                raise CheckpointError(
-                    f"{filename}: the router weights {key} hold {bad} NaN or infinite value(s) of "
-                    f"{tensor.numel()}. Every token would be routed arbitrarily. Training diverged before this "
-                    "save, or the file is damaged: load an earlier checkpoint."
-                )
+            yield filename, key, tensor

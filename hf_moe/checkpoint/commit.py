@@ -16,6 +16,7 @@ import functools
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -82,6 +83,19 @@ def new_staging(target: Path) -> Path:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(target)
+    token, fd, lock = _new_lock(target)
+    staging = _sibling(target, "tmp", token)
+    try:
+        staging.mkdir()
+    except BaseException:
+        _unlock(fd, lock)
+        raise
+    _HELD[staging] = (fd, lock, token)
+    return staging
+
+
+def _new_lock(target: Path) -> tuple[str, int | None, Path]:
+    """(token, descriptor holding its lock, or None on a filesystem without locks, lock file) of a new writer."""
     while True:
         token = uuid.uuid4().hex[:12]
         lock = _lock_path(target, token)
@@ -93,14 +107,36 @@ def new_staging(target: Path) -> Path:
     if locked is None:  # a filesystem without locks: nothing to hold (and no cleaner will touch it)
         os.close(fd)
         fd = None
+    return token, fd, lock
+
+
+def replace_file(target: str | os.PathLike, data: bytes) -> None:
+    """Replace the file `target` (inside a checkpoint: its index) with `data` in one rename, keeping its mode (the
+    umask does not apply: other users keep the access they had). Staged as a directory is: `.NAME.hf_moe-tmp-<token>`
+    beside it, under the lock `.NAME.hf_moe-<token>.lock`, so that what a killed writer leaves is stale for the next
+    `replace_file` (or `clean_stale_staging(target)`) to remove, and a live writer's staging is left alone."""
+    target = Path(target)
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    clean_stale_staging(target)
+    token, lock_fd, lock = _new_lock(target)
     staging = _sibling(target, "tmp", token)
     try:
-        staging.mkdir()
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(staging, target)
     except BaseException:
-        _unlock(fd, lock)
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
         raise
-    _HELD[staging] = (fd, lock, token)
-    return staging
+    finally:
+        _unlock(lock_fd, lock)
 
 
 def _still_linked(fd: int, path: Path) -> bool:
@@ -158,6 +194,9 @@ def _remove_tree(path: Path) -> None:
             else:
                 child.unlink()
         path.rmdir()
+
+
+_STAGING = re.compile(r"\..+\.hf_moe-(?:(?:tmp|old|export)-)?[0-9a-f]{8,32}(?:\.lock)?")
 
 
 def _leftovers(target: Path) -> dict[str, list[Path]]:
@@ -287,6 +326,8 @@ def _carry_unrelated(target: Path, staging: Path) -> None:
             (staging / "README.md").unlink(missing_ok=True)  # the user's own README wins over our card
         elif item.name in produced or is_weight_file(item.name) or item.name in CONFIG_FILES:
             continue  # (a config file the save did not write is the old model's: not carried)
+        elif _STAGING.fullmatch(item.name):
+            continue  # what a killed `hf-moe verify --update` left (replace_file): it goes with the old directory
         _link_or_copy(item, staging / item.name)
 
 

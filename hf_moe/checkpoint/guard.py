@@ -68,11 +68,14 @@ def checkpoint_file(directory: str | os.PathLike, name, source: str) -> Path:
 
 def stays_inside(directory: str | os.PathLike, path: Path) -> bool:
     """Whether `path` (an entry of `directory`) is a file of the directory: not a symbolic link out of it (except,
-    in a Hugging Face Hub cache snapshot, into that repository's `blobs/`)."""
+    in a Hugging Face Hub cache snapshot or a subfolder of one, into that repository's `blobs/`)."""
     if not path.is_symlink():
         return True
     real, root = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
-    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    allowed = [root]
+    snapshot = next((a for a in (root, *root.parents) if a.parent.name == "snapshots"), None)  # (a subfolder's too)
+    if snapshot is not None:
+        allowed.append(snapshot.parent.parent / "blobs")
     return any(real == base or base in real.parents for base in allowed)
 
 

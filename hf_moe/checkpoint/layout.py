@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import remove_tied_weights_from_state_dict
 from ..layers import Experts
+from ..layers.quantized import QuantizedExperts
 from .format import EXPERT_FILE_PREFIX, EXPERT_KEY, natural_key
 
 
@@ -34,13 +35,14 @@ def _without_ignored(model, state_dict: dict[str, torch.Tensor]) -> dict[str, to
 
 def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "") -> dict[str, torch.Tensor]:
     """`state_dict` (of `module`, its keys preceded by `prefix`) with every fused expert tensor [E, ...] of the
-    module's `Experts` split per expert as views: `...experts.up_proj` -> `...experts.{e}.up_proj`, e counted from
-    the module's first expert (not 0 for a block of experts held under expert parallelism)."""
+    module's `Experts` (and `QuantizedExperts`) split per expert as views: `...experts.up_proj` ->
+    `...experts.{e}.up_proj`, e counted from the module's first expert (not 0 for a block of experts held under expert
+    parallelism)."""
     offsets = {  # fused key -> (global id of the first expert of a block, experts in all)
-        f"{prefix}{module_name}.{param_name}": (experts.expert_offset, experts.num_experts)
+        f"{prefix}{module_name}.{name}": (experts.expert_offset, experts.num_experts)
         for module_name, experts in module.named_modules()
-        if isinstance(experts, Experts)
-        for param_name, _ in experts.named_parameters(recurse=False)
+        if isinstance(experts, (Experts, QuantizedExperts))
+        for name, _ in _expert_tensors(experts)
     }
     out = {}
     for key, tensor in state_dict.items():
@@ -52,6 +54,14 @@ def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "")
         else:
             out[key] = tensor
     return out
+
+
+def _expert_tensors(experts):
+    """The fused tensors of an experts module: `Experts`' parameters; the int8 weights, scales and biases of
+    `QuantizedExperts` (buffers: `hf_moe.quantize`), so that `save_pretrained` writes an int8 model per expert too."""
+    if isinstance(experts, QuantizedExperts):
+        return [(name, t) for name, t in experts.named_buffers(recurse=False) if t is not None]
+    return experts.named_parameters(recurse=False)
 
 
 def local_state_dict(model, state_dict) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ import torch
 from ..configuration import _cut
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from .checks import (
-    check_block_paths, check_expert_keys, check_files, check_generation_config, check_routers, check_tensors,
-    expected_tensors, read_config, read_index, read_moe_config,
+    check_block_paths, check_expert_keys, check_files, check_generation_config, check_int8_scales, check_routers,
+    check_tensors, expected_tensors, read_config, read_index, read_moe_config,
 )
 from .checksums import config_changed_error, config_problems, recorded_checksums, verify_data
 from .commit import recover_interrupted_commit
@@ -83,8 +83,9 @@ def validate_files(directory: str | os.PathLike, *, verify_checksums: bool | Non
     """The checks of `validate_checkpoint` that build no model from the config, for a checkpoint whose tensors the
     config's model does not hold (int8 experts, `hf_moe.quantize`; their caller checks those tensors): restores a
     model that a killed save left hidden; the config's format; the index; every weight file's name, size, header
-    and header checksum; the config files against their checksums; and, as `verify_checksums` says (see
-    `validate_checkpoint`), every file's data. Raises `CheckpointError` (or `FileNotFoundError`)."""
+    and header checksum; the config files against their checksums; as `verify_checksums` says (see
+    `validate_checkpoint`), every file's data; and that int8 experts' scales are finite and >= 0. Raises
+    `CheckpointError` (or `FileNotFoundError`)."""
     directory = Path(directory)
     recover_interrupted_commit(directory)
     read_config(directory)
@@ -96,6 +97,7 @@ def validate_files(directory: str | os.PathLike, *, verify_checksums: bool | Non
     if problems:
         raise config_changed_error(directory, problems)
     verify_data(directory, checksums, sorted(set(weight_map.values())), verify_checksums)
+    check_int8_scales(directory, weight_map)  # (after: damage is named as damage, not as NaN)
 
 
 @contextlib.contextmanager

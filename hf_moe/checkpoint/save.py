@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..compat import convert_file_size_to_int
+from ..layers.quantized import QuantizedExperts
 from ..model_card import render_model_card
 from .checksums import checksum_files, config_checksums
 from .commit import commit, discard, new_staging, resolve_output_directory, staging_directory
@@ -23,6 +24,7 @@ from .format import (
     INDEX_NAME,
 )
 from .layout import checkpoint_state_dict, local_state_dict, plan_shards
+from .snapshot import check_not_reading
 
 
 def save_checkpoint(
@@ -56,13 +58,32 @@ def save_checkpoint(
     if not sharded and not is_main_process:
         return
     target = resolve_output_directory(save_directory, "Cannot save the model to")
+    check_not_reading(target)  # (before writing anything: the commit could never swap it in)
     max_bytes = convert_file_size_to_int(max_shard_size)
     if sharded:
         _save_expert_parallel(model, target, state_dict, max_bytes, extra)
         return
+    _check_int8_scales(model)
     shards = plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
     with staging_directory(target) as staging:
         finish(model, staging, target, [_write_shards(shards, staging)], extra)
+
+
+def _check_int8_scales(model) -> None:
+    """The scales of int8 experts (`hf_moe.quantize_experts`) are finite and >= 0, or nothing is written: a NaN, an
+    infinity or a negative scale computes non-finite (or sign-flipped) outputs wherever its expert is picked, and every
+    load refuses it. They come from quantizing experts whose weights were not finite (a diverged run)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedExperts):
+            continue
+        for buffer_name, scale in module.named_buffers(recurse=False):
+            bad = int((~(torch.isfinite(scale) & (scale >= 0))).sum()) if buffer_name.endswith("_scale") else 0
+            if bad:
+                raise ValueError(
+                    f"{name}.{buffer_name} holds {bad} NaN, infinite or negative int8 scale(s) of {scale.numel()}: "
+                    "the experts were quantized from weights that were not finite (or the scales were edited). "
+                    "Nothing was written. Quantize a model with finite expert weights (an earlier checkpoint)."
+                )
 
 
 def is_sharded(model, state_dict) -> bool:
@@ -71,12 +92,21 @@ def is_sharded(model, state_dict) -> bool:
 
 
 def _write_shards(shards: dict[str, dict[str, torch.Tensor]], staging: Path) -> dict[str, str]:
-    """Write the shard files; {key: filename} of what was written."""
+    """Write the shard files; {key: filename} of what was written. Each gets the mode the umask gives a new file (as
+    the config and the index do): safetensors (0.8) writes its files 0600, which other users could not read."""
     weight_map = {}
+    mode = _file_mode(staging)
     for filename, tensors in tqdm(shards.items(), desc="Saving per-expert shards", unit="file", leave=False):
         save_file({k: t.contiguous() for k, t in tensors.items()}, staging / filename, metadata={"format": "pt"})
+        os.chmod(staging / filename, mode)
         weight_map.update(dict.fromkeys(tensors, filename))
     return weight_map
+
+
+def _file_mode(staging: Path) -> int:
+    """The mode a new file gets under this process's umask: the staging directory was made with 0o777 less the
+    umask (read without `os.umask`, which sets it for every thread while it reads it)."""
+    return 0o666 & os.stat(staging).st_mode
 
 
 def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None) -> None:

@@ -12,7 +12,10 @@ vanishing mid-read would look like corruption. So:
   anyway, with a warning), and readers that arrive during the swap wait for it (it takes microseconds);
 - a writer that has to wait first takes the exclusive lock of a turnstile, `.OUT.hf_moe.lock` beside OUT (an empty
   file, created then and left in place), which new readers pass through (a shared lock, taken and released) before
-  they lock OUT: they queue behind the writer, so readers in a loop cannot starve it.
+  they lock OUT: they queue behind the writer, so readers in a loop cannot starve it, whether they are processes or
+  threads of one process. Only a read nested in a read of OUT by the same thread skips the turnstile (it would wait
+  for a writer that waits for the outer read); a write from inside such a read is refused at once (it would wait
+  for itself).
 
 When the block ends, the reader checks again that OUT is the directory it locked (its descriptor pins the inode, so a
 reused inode number cannot fool the check): if a writer went ahead (its wait ran out, or a filesystem without
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import threading
 import time
@@ -43,17 +47,32 @@ except ImportError:  # not POSIX: no locks; the identity check still catches a s
 READER_WAIT_S = 60.0  # a reader waits this long for a writer's swap (microseconds, unless the writer is stopped)
 _POLL_S = 0.002
 _ATTEMPTS = 8  # a reader that finds OUT swapped under its lock opens it again, this many times
-# (st_dev, st_ino) of the directories this process reads now: a nested read of one of them (from_pretrained inside
-# `hf-moe generate`'s read) must not queue at the turnstile behind a writer that waits for the outer read.
-_HELD: Counter = Counter()
-_HELD_LOCK = threading.Lock()
+# (st_dev, st_ino) of the directories each thread reads now: a nested read of one of them in the same thread
+# (from_pretrained inside `hf-moe generate`'s read) must not queue at the turnstile behind a writer that waits for the
+# outer read. Per thread: another thread's read queues there like another process's, or readers in several threads
+# of one process, overlapping, would keep a writer out for good.
+_THREAD = threading.local()
+
+
+def _held_here() -> Counter:
+    if not hasattr(_THREAD, "held"):
+        _THREAD.held = Counter()
+    return _THREAD.held
 
 
 def _commit_wait_s() -> float:
+    text = os.environ.get("HF_MOE_COMMIT_WAIT", "600")
     try:
-        return float(os.environ.get("HF_MOE_COMMIT_WAIT", "600"))
+        value = float(text)
     except ValueError:
-        return 600.0
+        value = math.nan
+    if not value >= 0:  # (NaN too: it would wait forever)
+        raise ValueError(
+            f"HF_MOE_COMMIT_WAIT={text!r} is not a number of seconds >= 0: it says how long a save waits for loads "
+            "of its directory in progress (default 600; inf waits as long as they take). Set it to such a number, "
+            "or unset it."
+        )
+    return value
 
 
 def _turnstile(directory: Path) -> Path:
@@ -144,8 +163,8 @@ def reading(directory: str | os.PathLike) -> Iterator[None]:
         return
     info = os.fstat(fd)
     identity = (info.st_dev, info.st_ino)
-    with _HELD_LOCK:
-        _HELD[identity] += 1
+    held = _held_here()
+    held[identity] += 1
     try:
         try:
             yield
@@ -156,21 +175,30 @@ def reading(directory: str | os.PathLike) -> Iterator[None]:
         if not names(directory, fd):
             raise _busy(directory)
     finally:
-        with _HELD_LOCK:
-            _HELD[identity] -= 1
-            if not _HELD[identity]:
-                del _HELD[identity]
+        held[identity] -= 1
+        if not held[identity]:
+            del held[identity]
         os.close(fd)
 
 
 def _held(directory: Path) -> bool:
-    """Whether this process reads `directory` already (an outer `reading` of it holds its shared lock)."""
+    """Whether this thread reads `directory` already (an outer `reading` of it holds its shared lock)."""
     try:
         info = os.stat(directory)
     except OSError:
         return False
-    with _HELD_LOCK:
-        return (info.st_dev, info.st_ino) in _HELD
+    return (info.st_dev, info.st_ino) in _held_here()
+
+
+def check_not_reading(target: str | os.PathLike) -> None:
+    """Refuse to write `target` from inside a read of it in the same thread (`reading(target)`, or a load in
+    progress): the write's swap would wait for that read to end, which it cannot while the write runs."""
+    if _held(Path(target)):
+        raise RuntimeError(
+            f"Cannot write {target} from inside a read of it in the same thread (`hf_moe.checkpoint.reading`, or a "
+            "load of it in progress): the save would wait for that read to end, and the read cannot end before the "
+            "save returns. Save after the `with` block, or into another directory."
+        )
 
 
 @contextlib.contextmanager
@@ -178,6 +206,7 @@ def exclusive(target: Path) -> Iterator[None]:
     """Wait (see `HF_MOE_COMMIT_WAIT`) until no reader holds the directory `target` names, and keep readers out while
     the block swaps it. Nothing to wait for when `target` does not exist."""
     target = Path(target)
+    check_not_reading(target)
     gate = fd = None
     try:
         for _ in range(_ATTEMPTS):

@@ -60,6 +60,10 @@ class NoMLPFoundError(ValueError):
     """The model has no MLP that hf_moe can turn into experts."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """An MLP to convert holds NaN or infinite weights: every expert made from it would compute NaN."""
+
+
 @dataclass
 class DenseMLP:
     """One dense MLP in canonical form. Weights use the `nn.Linear` layout [out, in].
@@ -353,6 +357,8 @@ def extract_mlp(layer: nn.Module, spec: MLPSpec, config=None) -> DenseMLP:
     probe = None if down.device.type == "meta" else _Probe(owner, spec, layouts[0][1][0])
     known_act = activation_name(act_obj, config) if act_obj is not None or probe is None else None
 
+    if probe is not None:
+        _check_finite(type(layer).__name__, spec, down, down_bias, layouts)
     errors = []
     for gate, (up, up_bias) in layouts:
         act = known_act or probe.observed_activation(gate, (up, up_bias), _declared_activations(config))
@@ -371,6 +377,27 @@ def extract_mlp(layer: nn.Module, spec: MLPSpec, config=None) -> DenseMLP:
         f"Its forward computes something beyond act(x W_up) W_down or a GLU{_unexplained(owner, spec)}. If only "
         "some layers are like this, convert the others with `layers=[...]`."
     )
+
+
+def _check_finite(layer_name: str, spec: MLPSpec, down, down_bias, layouts) -> None:
+    """The MLP's weights are finite (else its outputs are NaN, which no reading of it reproduces: say so)."""
+    gate, (up, up_bias) = layouts[0]
+    tensors = [t for t in (down, down_bias, up, up_bias, *(gate or ())) if t is not None]
+    if not all(all_finite(t) for t in tensors):
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in tensors if t.is_floating_point())
+        raise NonFiniteWeightsError(
+            f"The MLP of {layer_name} ({spec.module_path or 'inline'}) holds {bad} NaN or infinite weight(s): every "
+            "expert made from it would compute NaN. The model's training diverged, or its files are damaged: use an "
+            "earlier checkpoint."
+        )
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN and no infinity, with no temporary of its size (`isfinite` makes two): NaN
+    propagates through max and min, and an infinity is one of them."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    return math.isfinite(float(tensor.amax())) and math.isfinite(float(tensor.amin()))
 
 
 def _check_replaceable(owner: nn.Module, spec: MLPSpec) -> None:

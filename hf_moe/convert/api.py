@@ -16,11 +16,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, Pre
 
 from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
-from ..configuration import MoEConfig
+from ..configuration import MoEConfig, _brief
 from ..layers import SparseMoeBlock
 from ..model_card import hub_model_id
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
+from .estimate import check_memory, estimate_conversion
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block
 
@@ -129,6 +130,14 @@ def convert_to_moe(
     spec = find_mlp(decoder_layers[moe_layers[0]])
     mlps = {i: extract_mlp(decoder_layers[i], find_mlp(decoder_layers[i]), model.config) for i in moe_layers}
     _check_uniform(mlps)
+    first = mlps[moe_layers[0]]
+    itemsize = first.up.element_size()
+    check_memory(estimate_conversion(  # before anything grows with the number of experts (estimate.py)
+        sum(p.numel() for p in model.parameters()) * itemsize, first,
+        _expert_sizes(method, first, num_experts, opts["num_shared_experts"]), num_experts, len(moe_layers),
+        opts["num_shared_experts"], itemsize, 1 << 62,
+    ), "`hf_moe.convert_checkpoint(src, out, ...)` (or `hf-moe convert` without --in-memory) streams the "
+       "conversion from a directory of safetensors, one MLP at a time.")
     activations = None
     if method == "split" and opts["partition"] == "coactivation":
         tokenizer = _tokenizer(opts["tokenizer"], model_or_path)
@@ -176,6 +185,9 @@ def resolve_options(num_experts, top_k, method: str, layers, options: dict) -> d
         **options,
     }
     _check_counts(num_experts, top_k)
+    seed = opts["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int from 0 to 2**64 - 1 (torch's seed range), got {_brief(seed)}.")
     _check_method_options(method, options, opts)
     if layers is not None and opts["every"] is not None:
         raise ValueError("Pass either `layers` or `every`, not both.")

@@ -32,7 +32,7 @@ from ..checkpoint.layout import plan_shards
 from ..checkpoint.save import finish
 from ..compat import convert_file_size_to_int
 from ..modeling import MoEForCausalLM
-from .adapters import DenseMLP, find_decoder_layers, find_mlp
+from .adapters import DenseMLP, NonFiniteWeightsError, all_finite, find_decoder_layers, find_mlp
 from .api import OPTIONS, ROUTER_DEFAULTS, _dtype, _license, _select_layers, moe_config
 from .merge_checks import Source, localize, open_sources
 from .merge_config import MergeConfig, MergeConfigError, load_merge_config
@@ -181,9 +181,11 @@ class _Plan:
     # ---------------------------------------------------------------------------------------------------------- read
     def read_mlp(self, path: str, layer: int) -> DenseMLP:
         source = self.sources[path]
-        mlp = _read_mlp(source.tensors, source.names, self.decoder_layers[layer], self.spec, self.layers_path, layer,
-                        self.dtype, source.config)
-        return mlp
+        try:
+            return _read_mlp(source.tensors, source.names, self.decoder_layers[layer], self.spec, self.layers_path,
+                             layer, self.dtype, source.config)
+        except NonFiniteWeightsError as err:
+            raise MergeConfigError(f"{path}, layer {layer}: {err} Nothing was written.") from None
 
     def expert_mlp(self, spec, layer: int, generator: torch.Generator) -> DenseMLP:
         """Source MLP of `spec` at `layer`, with mergekit's noise_scale (every weight) and residual_scale (down)."""
@@ -225,13 +227,15 @@ class _Plan:
             for e, spec in enumerate(self.recipe.experts):
                 mlp = self.expert_mlp(spec, i, generator)
                 for name, tensor in _expert_tensors(mlp, self.config).items():
-                    writer.write(f"{self.prefix[i]}experts.{e}.{name}", tensor.to(self.dtype))
+                    tensor = _check_finite(tensor.to(self.dtype), spec, f"experts[{e}]", i, name)
+                    writer.write(f"{self.prefix[i]}experts.{e}.{name}", tensor)
                 self._check_expert(writer, i, e, mlp)
                 del mlp
             if self.recipe.shared is not None:
                 mlp = self.expert_mlp(self.recipe.shared, i, generator)
                 for name, tensor in _shared_tensors(mlp, self.config).items():
-                    writer.write(f"{self.prefix[i]}shared_experts.{name}", tensor.to(self.dtype))
+                    tensor = _check_finite(tensor.to(self.dtype), self.recipe.shared, "shared_experts[0]", i, name)
+                    writer.write(f"{self.prefix[i]}shared_experts.{name}", tensor)
 
     @torch.no_grad()
     def _check_expert(self, writer: _ShardWriter, layer: int, e: int, mlp: DenseMLP) -> None:
@@ -251,9 +255,17 @@ class _Plan:
         ones = torch.ones(16, 1, dtype=self.dtype)
         got = self._experts(x, torch.zeros(16, 1, dtype=torch.int64), ones).float()
         expected = expert_forward(mlp, x).float()
+        gap, size = (got - expected).abs().max().item(), expected.abs().max().item()
+        if not (math.isfinite(gap) and math.isfinite(size)):  # (max(0.0, nan) is 0.0: NaN must not pass as a match)
+            spec = self.recipe.experts[e]
+            raise MergeConfigError(
+                f"experts[{e}] ({spec.source_model}) computes non-finite outputs at layer {layer} on a random probe "
+                f"(max |output| {size:g}){_scales(spec)}: nothing was written. Lower the scales, or check the source's "
+                "weights."
+            )
         conv = self.config.moe_conversion
-        conv["max_abs_expert_diff"] = max(conv.get("max_abs_expert_diff", 0.0), (got - expected).abs().max().item())
-        conv["max_abs_mlp_output"] = max(conv.get("max_abs_mlp_output", 0.0), expected.abs().max().item())
+        conv["max_abs_expert_diff"] = max(conv.get("max_abs_expert_diff", 0.0), gap)
+        conv["max_abs_mlp_output"] = max(conv.get("max_abs_mlp_output", 0.0), size)
 
     def router_keys(self, layer: int) -> tuple[str, str | None]:
         gate = f"{self.prefix[layer]}gate.weight"
@@ -284,6 +296,24 @@ class _Plan:
                 row = shared_gates.get(i)
                 row = torch.zeros(self.layout[shared_key][1]) if row is None else row
                 writer.write(shared_key, row.to(self.dtype).contiguous())
+
+
+def _scales(spec) -> str:
+    scales = [f"{n}={getattr(spec, n):g}" for n in ("noise_scale", "residual_scale") if getattr(spec, n) is not None]
+    return f" with {', '.join(scales)}" if scales else ""
+
+
+def _check_finite(tensor: torch.Tensor, spec, where: str, layer: int, name: str) -> torch.Tensor:
+    """`tensor`, an expert's tensor as it is written, after checking that it holds only finite numbers (else nothing is
+    written: the error says why)."""
+    if all_finite(tensor):
+        return tensor
+    bad = int((~torch.isfinite(tensor)).sum())
+    raise MergeConfigError(
+        f"{where} ({spec.source_model}): its {name} at layer {layer} would hold {bad} NaN or infinite value(s) of "
+        f"{tensor.numel()} in {str(tensor.dtype).removeprefix('torch.')}{_scales(spec)}: nothing was written. "
+        "Lower the scales (or choose a wider dtype), or check the source model's weights."
+    )
 
 
 def _expert_tensors(mlp: DenseMLP, config) -> dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..configuration import _brief, _cut
+
 GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random", "calibration")
 PROMPT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed")
 # architecture -> what the merged model computes, and which native transformers family it exports to.
@@ -45,6 +47,15 @@ ROUTER_FIELDS = (
     "router_type", "norm_topk_prob", "router_aux_loss_coef", "router_z_loss_coef", "capacity_factor",
     "eval_capacity_factor", "router_jitter_noise", "num_prototypes", "router_bias_update_rate", "router_weights",
 )
+
+
+# A recipe expands to at most this many values (a string counts one per 64 characters): YAML aliases can make a
+# 700-byte file expand to billions (an "alias bomb"), which any traversal (a message's repr, a copy) would then pay.
+MAX_RECIPE_VALUES = 100_000
+MAX_DEPTH = 64
+# noise_scale and residual_scale above this are absurd (mergekit's are ~0.01 and <= 1): past it, weights overflow.
+MAX_SCALE = 1000.0
+SEED_RANGE = 2**64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
 
 
 class MergeConfigError(ValueError):
@@ -139,9 +150,11 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"No merge config at {str(path)!r}: the file does not exist.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_bounded_loader())  # (yaml.safe_load's loader)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise MergeConfigError(f"{path} is not valid YAML: {err}") from None
+        raise MergeConfigError(f"{path} is not valid YAML: {_cut(str(err), 400)}") from None
+    except _TooDeep:
+        raise MergeConfigError(f"{path} nests its values more than {MAX_DEPTH} deep: a recipe never does.") from None
     if not isinstance(data, dict):
         raise MergeConfigError(f"{path} must hold a mapping (base_model:, experts:, ...), not {type(data).__name__}.")
     return data
@@ -154,7 +167,8 @@ _MERGEKIT = {"base_model", "experts", "gate_mode", "experts_per_token", "dtype",
 
 def parse_merge_config(data: dict) -> MergeConfig:
     """Check and convert the YAML mapping `data` (see the module docstring)."""
-    unknown = sorted(set(data) - _TOP_LEVEL - set(ROUTER_FIELDS))
+    _check_size(data)
+    unknown = sorted(map(str, set(data) - _TOP_LEVEL - set(ROUTER_FIELDS)))
     if unknown:
         raise MergeConfigError(
             f"Unknown field(s) {unknown} in the merge config. mergekit-moe's fields: {', '.join(sorted(_MERGEKIT))}; "
@@ -177,6 +191,52 @@ def parse_merge_config(data: dict) -> MergeConfig:
     return config
 
 
+class _TooDeep(Exception):
+    pass
+
+
+def _bounded_loader():
+    """yaml.SafeLoader, refusing to nest collections more than `MAX_DEPTH` deep while it scans: deeper, its scanner
+    takes quadratic time (seconds for a 6 KB line of brackets) and its composer overflows the stack."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def fetch_flow_collection_start(self, TokenClass):
+            if self.flow_level >= MAX_DEPTH:
+                raise _TooDeep
+            super().fetch_flow_collection_start(TokenClass)
+
+        def add_indent(self, column):
+            if len(self.indents) >= MAX_DEPTH:
+                raise _TooDeep
+            return super().add_indent(column)
+
+    return Loader
+
+
+def _check_size(data) -> None:
+    """`data` expands to at most `MAX_RECIPE_VALUES` values (counted with repeats, as a traversal pays them: YAML
+    aliases share one object), nested at most `MAX_DEPTH` deep; counting stops at the limit, so it costs at most
+    that. The error names the field where the limit was reached."""
+    budget, stack = MAX_RECIPE_VALUES, [(data, 0, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        budget -= 1 + (len(value) // 64 if isinstance(value, str) else 0)
+        if budget < 0 or depth > MAX_DEPTH:
+            field = _cut(where, 80) or "its top level"
+            raise MergeConfigError(
+                f"The merge config expands to more than {MAX_RECIPE_VALUES} values, at {field} (YAML aliases repeat "
+                "what they name: an alias bomb?). A recipe names a few models and prompts: write it out plainly."
+                if budget < 0 else f"The merge config nests its values more than {MAX_DEPTH} deep, at {field}: a "
+                "recipe never does."
+            )
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1, f"{where}.{_cut(str(k), 40)}".lstrip(".")) for k, v in value.items())
+            stack.extend((k, depth + 1, where) for k in value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1, f"{where}[{i}]") for i, v in enumerate(value))
+
+
 def _list(data: dict, key: str) -> list:
     value = data.get(key) or []
     if not isinstance(value, list):
@@ -194,11 +254,11 @@ def _model_reference(value, where: str) -> str:
         value = value.get("model")
         value = value.get("path") if isinstance(value, dict) else value
     if not isinstance(value, (str, os.PathLike)) or not str(value):
-        raise MergeConfigError(f"{where} must be a model directory or Hub id, got {value!r}.")
+        raise MergeConfigError(f"{where} must be a model directory or Hub id, got {_brief(value)}.")
     value = os.fspath(value)
     if "+" in value and not os.path.exists(value):
         raise MergeConfigError(
-            f"{where}={value!r} uses mergekit's `model+lora` syntax: merge the LoRA adapter into the model first "
+            f"{where}={_brief(value)} uses mergekit's `model+lora` syntax: merge the LoRA adapter into the model first "
             "(peft's merge_and_unload) and name the merged directory."
         )
     return value
@@ -206,8 +266,8 @@ def _model_reference(value, where: str) -> str:
 
 def _expert(value, where: str) -> ExpertSpec:
     if not isinstance(value, dict) or "source_model" not in value:
-        raise MergeConfigError(f"{where} must be a mapping with a source_model, got {value!r}.")
-    unknown = sorted(set(value) - _SPEC_FIELDS)
+        raise MergeConfigError(f"{where} must be a mapping with a source_model, got {_brief(value)}.")
+    unknown = sorted(map(str, set(value) - _SPEC_FIELDS))
     if unknown:
         raise MergeConfigError(f"Unknown field(s) {unknown} in {where}; valid: {', '.join(sorted(_SPEC_FIELDS))}.")
     spec = ExpertSpec(**{**value, "source_model": _model_reference(value["source_model"], f"{where}.source_model")})
@@ -216,45 +276,60 @@ def _expert(value, where: str) -> ExpertSpec:
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts is not None and not (isinstance(prompts, list) and all(isinstance(p, str) for p in prompts)):
-            raise MergeConfigError(f"{where}.{name} must be a list of strings, got {prompts!r}.")
+            raise MergeConfigError(f"{where}.{name} must be a list of strings, got {_brief(prompts)}.")
         setattr(spec, name, prompts or None)
     for name in ("noise_scale", "residual_scale"):
         value_ = getattr(spec, name)
-        if value_ is not None and (isinstance(value_, bool) or not isinstance(value_, (int, float)) or value_ < 0):
-            raise MergeConfigError(f"{where}.{name} must be a number >= 0, got {value_!r}.")
+        number = isinstance(value_, (int, float)) and not isinstance(value_, bool)
+        if value_ is not None and not (number and 0 <= value_ <= MAX_SCALE):  # (NaN fails every comparison)
+            raise MergeConfigError(
+                f"{where}.{name} must be a finite number from 0 to {MAX_SCALE:g}, got {_brief(value_)}: the expert's "
+                "weights are scaled (or noised) by it, and a value past that makes them overflow to inf and NaN."
+            )
     if spec.calibration_data is not None and not isinstance(spec.calibration_data, str):
-        raise MergeConfigError(f"{where}.calibration_data must be a path, got {spec.calibration_data!r}.")
+        raise MergeConfigError(f"{where}.calibration_data must be a path, got {_brief(spec.calibration_data)}.")
     return spec
 
 
 def _check(c: MergeConfig) -> None:
-    if c.gate_mode not in GATE_MODES:
-        raise MergeConfigError(f"gate_mode={c.gate_mode!r} is not one of {', '.join(GATE_MODES)}.")
+    if not isinstance(c.gate_mode, str) or c.gate_mode not in GATE_MODES:
+        raise MergeConfigError(f"gate_mode={_brief(c.gate_mode)} is not one of {', '.join(GATE_MODES)}.")
     if isinstance(c.experts_per_token, bool) or not isinstance(c.experts_per_token, int) or c.experts_per_token < 1:
-        raise MergeConfigError(f"experts_per_token must be an int >= 1, got {c.experts_per_token!r}.")
+        raise MergeConfigError(f"experts_per_token must be an int >= 1, got {_brief(c.experts_per_token)}.")
     if len(c.experts) < c.experts_per_token:
         raise MergeConfigError(
             f"experts_per_token={c.experts_per_token} but only {len(c.experts)} experts: list at least as many experts."
         )
     if c.architecture is not None:
-        c.architecture = str(c.architecture).lower()
+        if not isinstance(c.architecture, str):
+            raise MergeConfigError(f"architecture={_brief(c.architecture)} is not one of {', '.join(ARCHITECTURES)}.")
+        c.architecture = c.architecture.lower()
         matches = [a for a in ARCHITECTURES if a.startswith(c.architecture) or c.architecture.startswith(a)]
         if not matches:
-            raise MergeConfigError(f"architecture={c.architecture!r} is not one of {', '.join(ARCHITECTURES)}.")
+            raise MergeConfigError(f"architecture={_brief(c.architecture)} is not one of {', '.join(ARCHITECTURES)}.")
         c.architecture = matches[0]
     if len(c.shared_experts) > 1:
         raise MergeConfigError(f"{len(c.shared_experts)} shared_experts: mergekit and hf_moe merge at most one.")
     _check_shared(c)
-    if c.non_expert_weights not in NON_EXPERT_WEIGHTS:
-        raise MergeConfigError(f"non_expert_weights must be one of {NON_EXPERT_WEIGHTS}, got {c.non_expert_weights!r}.")
+    if not isinstance(c.non_expert_weights, str) or c.non_expert_weights not in NON_EXPERT_WEIGHTS:
+        raise MergeConfigError(
+            f"non_expert_weights must be one of {NON_EXPERT_WEIGHTS}, got {_brief(c.non_expert_weights)}."
+        )
     if c.layers is not None and c.every is not None:
         raise MergeConfigError("Set either `layers` or `every`, not both.")
     if c.layers is not None and not (isinstance(c.layers, list) and all(isinstance(i, int) for i in c.layers)):
-        raise MergeConfigError(f"layers must be a list of ints, got {c.layers!r}.")
-    for name in ("calibration_tokens", "seed"):
-        value, low = getattr(c, name), 16 if name == "calibration_tokens" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise MergeConfigError(f"{name} must be an int >= {low}, got {value!r}.")
+        raise MergeConfigError(f"layers must be a list of ints, got {_brief(c.layers)}.")
+    for name, low, high in (("calibration_tokens", 16, None), ("seed", 0, SEED_RANGE)):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value >= high):
+            within = f"from {low} to 2**64 - 1 (torch's seed range)" if high else f">= {low}"
+            raise MergeConfigError(f"{name} must be an int {within}, got {_brief(value)}.")
+    for name in ("dtype", "hidden_dtype"):
+        value = getattr(c, name)
+        if value is not None and not _floating_dtype(value):
+            raise MergeConfigError(
+                f"{name} must name a floating-point torch dtype (float32, bfloat16 or float16), got {_brief(value)}."
+            )
     if c.gate_mode in PROMPT_MODES:
         _check_prompts(c)
     if c.gate_mode == "calibration":
@@ -266,6 +341,24 @@ def _check(c: MergeConfig) -> None:
                 )
             if e.calibration_data is not None and not os.path.isfile(e.calibration_data):
                 raise FileNotFoundError(f"experts[{i}].calibration_data {e.calibration_data!r} is not a file.")
+            if e.calibration_data is not None and not _has_text(e.calibration_data):
+                raise MergeConfigError(f"experts[{i}].calibration_data {e.calibration_data!r} is empty: give it "
+                                       f"text of what {e.source_model} was fine-tuned on.")
+
+
+def _has_text(path: str) -> bool:
+    """Whether a calibration file holds more than white space (a large one is taken on trust: it is read later)."""
+    with open(path, "rb") as f:  # (the user's text file, not a checkpoint's)
+        head = f.read(1 << 16)
+    return bool(head.strip()) or len(head) == 1 << 16
+
+
+def _floating_dtype(name) -> bool:
+    """Whether `name` names a floating-point torch dtype ("bfloat16", "torch.float32")."""
+    import torch
+
+    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return isinstance(value, torch.dtype) and value.is_floating_point
 
 
 def _check_shared(c: MergeConfig) -> None:

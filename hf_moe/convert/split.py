@@ -139,7 +139,14 @@ def calibration_text(path, tokenizer, max_tokens: int) -> torch.Tensor:
     kind = {".txt": "text", ".json": "json", ".jsonl": "json"}.get(os.path.splitext(path)[1])
     if kind is None:
         raise ValueError(f"calibration_data must be a .txt, .json or .jsonl file, got {path!r}.")
-    data = load_dataset(kind, data_files=str(path), split="train")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"calibration_data {path!r} is empty: give it text (a .txt file, or .json/.jsonl records "
+                         "with a `text` field).")
+    try:
+        data = load_dataset(kind, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - datasets' DatasetGenerationError and kin: name the file
+        raise ValueError(f"calibration_data {path!r} cannot be read as {kind} ({type(err).__name__}: "
+                         f"{str(err)[:300]}).") from None
     if "text" not in data.column_names:
         raise ValueError(f"{path} has no `text` field (columns: {data.column_names}).")
     ids: list[int] = []
@@ -148,7 +155,7 @@ def calibration_text(path, tokenizer, max_tokens: int) -> torch.Tensor:
         if len(ids) >= max_tokens:
             break
     if len(ids) < 16:
-        raise ValueError(f"{path} gives only {len(ids)} tokens; co-activation clustering needs more text.")
+        raise ValueError(f"{path} gives only {len(ids)} tokens; calibration needs at least 16: give it more text.")
     return torch.tensor([ids[:max_tokens]])
 
 

@@ -49,9 +49,11 @@ from ..checkpoint.save import finish
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
+from .estimate import check_disk, estimate_conversion
 from .api import (
     _check_model_type,
     _dtype,
+    _expert_sizes,
     _license,
     _select_layers,
     convert_block,
@@ -118,6 +120,10 @@ def convert_checkpoint(
     first = _read_mlp(
         source, names, decoder_layers[moe_layers[0]], spec, layers_path, moe_layers[0], working_dtype, base_config
     )
+    check_disk(out, estimate_conversion(  # before anything grows with the number of experts (estimate.py)
+        sum(p.numel() for p in dense.parameters()) * working_dtype.itemsize, first,
+        _expert_sizes(method, first, num_experts, opts["num_shared_experts"]), num_experts, len(moe_layers),
+        opts["num_shared_experts"], working_dtype.itemsize, convert_file_size_to_int(max_shard_size)))
     config = moe_config(
         base_config, num_experts, top_k, method, opts, moe_layers, first, layers_path, spec,
         source=str(src), license=_license(src),

@@ -9,7 +9,7 @@ from transformers.activations import ACT2FN
 from ..ops import dispatch_ops, experts_forward, kernel_activation, reference
 from ..ops.activations import activation_key
 from ..ops.infer import experts_infer
-from ..ops.int8 import dequantize_int8, quantize_int8
+from ..ops.int8 import _check_group, dequantize_int8, quantize_int8
 from .experts import batched_expert_choice
 
 # config.json's field naming the experts' quantization (written by hf_moe.quantize; read by offload too).
@@ -40,6 +40,7 @@ class QuantizedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, has_gate: bool, has_bias: bool,
                  activation: str, group_size: int | None = None, bias_dtype: torch.dtype = torch.float32):
         super().__init__()
+        check_group_size(group_size, hidden_dim, intermediate_dim)
         self.num_experts = self.num_local_experts = num_experts
         self.expert_offset, self.ep_plan = 0, None
         self.hidden_dim, self.intermediate_dim = hidden_dim, intermediate_dim
@@ -139,6 +140,17 @@ class QuantizedExperts(nn.Module):
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, {'glu' if self.has_gate else 'mlp'}, "
                 f"bias={self.has_bias}, int8 weights, fp32 scales {scales}")
+
+
+def check_group_size(group_size, hidden_dim: int, intermediate_dim: int) -> None:
+    """`group_size` is None (a scale per output channel) or a positive multiple of 32 dividing both input sizes of the
+    experts (their hidden and intermediate sizes); else a `ValueError` that says which fit."""
+    if group_size is None:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"group_size must be None or an int (a multiple of 32), got {group_size!r}.")
+    for k in (hidden_dim, intermediate_dim):
+        _check_group(k, group_size)
 
 
 def _compiled_kernel_runs(x: torch.Tensor, activation: str) -> bool:

@@ -14,7 +14,8 @@ import os
 import torch
 
 from ..checkpoint import (
-    checkpoint_config, local_expert_view, reading, recover_interrupted_commit, validate_checkpoint, validate_files,
+    HUB_KWARGS, checkpoint_config, local_expert_view, reading, recover_interrupted_commit, resolve_checkpoint,
+    validate_checkpoint, validate_files,
 )
 from ..configuration import MoEConfig
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
@@ -88,7 +89,8 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
     budget = parse_memory_size(budget_arg)
 
     path = os.fspath(pretrained_model_name_or_path)
-    directory = os.path.join(path, kwargs.pop("subfolder", None) or "")
+    hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}  # a Hub id: its snapshot in the cache (hub.py)
+    directory = os.path.join(resolve_checkpoint(path, **hub), hub.get("subfolder") or "")
     if not os.path.isdir(directory):
         raise FileNotFoundError(
             f"offload_experts reads the per-expert files of a local directory, and {directory!r} is not one. "

@@ -24,6 +24,7 @@ from ..checkpoint import (
 from ..checkpoint.guard import open_fd
 from ..checkpoint.headers import header_of
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
+from ..layers.quantized import check_group_size
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class ExpertLayout:
                 raise CheckpointError(f"config.json's {QUANTIZATION_FIELD}={quantization!r} is not one hf_moe "
                                       "offloads (int8); load the model without offload_experts.")
             group = quantization.get("group_size")
+            try:
+                check_group_size(group, h, i)
+            except ValueError as err:
+                raise CheckpointError(f"config.json's {QUANTIZATION_FIELD} is invalid: {err}") from None
             for name, (out, k) in list(shapes.items()):
                 shapes[f"{name}_scale"] = (out,) if group is None else (out, k // group)
                 dtypes.update({name: torch.int8, f"{name}_scale": torch.float32})
@@ -108,10 +113,10 @@ class DiskExperts:
     opens (known float dtype, the shape the config implies, a byte range that matches it and lies inside the file),
     so a read never trusts the file further. Each tensor is hashed at its first read and compared with the checksum
     recorded at save time (`verify_checksums`, as in `validate_checkpoint`; one hash per tensor, of the bytes just
-    read: no extra I/O); every read checks that its file still has the size and modification time it had at load, so
-    a file overwritten in place is an error, never wrong logits. `pread` copies through the page cache into the
-    destination: no mapping of the files stays resident in this process (a mapping's touched pages would count in
-    its RSS).
+    read: no extra I/O); every read checks that its file still has the size, modification time and inode change time
+    it had at load, so a file overwritten in place is an error, never wrong logits. `pread` copies through the page
+    cache into the destination: no mapping of the files stays resident in this process (a mapping's touched pages
+    would count in its RSS).
     """
 
     def __init__(self, directory: str | os.PathLike, layout: ExpertLayout, verify_checksums: bool | None = None):
@@ -130,7 +135,7 @@ class DiskExperts:
         self._digests: dict[tuple[int, int, str], str] = {}
         self._verified: set[tuple[int, int, str]] = set()
         self._fds: dict[str, int] = {}
-        self._stats: dict[str, tuple[int, int]] = {}  # filename -> (size, mtime_ns) when opened
+        self._stats: dict[str, tuple[int, int, int, int]] = {}  # filename -> `_identity` when opened
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
         headers: dict[str, tuple[dict, int]] = {}
         self._spans: dict[tuple[int, int, str], _Span] = {}
@@ -146,7 +151,7 @@ class DiskExperts:
                         with io.FileIO(fd, "rb", closefd=False) as f:
                             header, raw = header_of(f, filename)  # checks the file holds every byte it declares
                         info = os.fstat(fd)
-                        self._stats[filename] = (info.st_size, info.st_mtime_ns)
+                        self._stats[filename] = _identity(info)
                         headers[filename] = (header, len(raw))
                     header, data_start = headers[filename]
                     self._spans[layer, expert, name] = _check_entry(
@@ -186,11 +191,14 @@ class DiskExperts:
         return total
 
     def _check_unchanged(self, filename: str) -> None:
-        info = os.fstat(self._fds[filename])
-        if (info.st_size, info.st_mtime_ns) != self._stats[filename]:
+        now, then = _identity(os.fstat(self._fds[filename])), self._stats[filename]
+        if now[3] != then[3] and now[:2] == then[:2]:  # linked or unlinked (a save replaced the directory): that
+            self._stats[filename] = then = (*then[:2], *now[2:])  # sets the inode's change time, not its data
+        if now != then:
             raise CheckpointError(
-                f"{filename} changed on disk after the model was loaded (its size or modification time differs): it "
-                "was overwritten in place while this model read experts from it, so they can no longer be trusted. "
+                f"{filename} changed on disk after the model was loaded (its size, modification time or inode change "
+                "time differs): it was overwritten in place while this model read experts from it (a modification "
+                "time put back, as `cp -p` does, still changes the inode's), so they can no longer be trusted. "
                 "Reload the model once the file is complete. (save_pretrained never writes over a loaded "
                 "checkpoint's files: it replaces the directory, and loaded models keep reading the old files.)"
             )
@@ -208,6 +216,14 @@ class DiskExperts:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """What a write in place changes: the size, the modification time, and the inode's change time, which every write
+    (and every `utime` that puts a modification time back) sets to now; and the link count, whose change (a save that
+    replaced the directory unlinks the old files) sets the change time too. (The file's descriptor pins the inode: a
+    file replaced by a rename is not this one, and the store reads on from the one it opened.)"""
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_nlink
 
 
 def _recorded_digest(checksums: dict, filename: str, key: str) -> str:
