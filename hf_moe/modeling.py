@@ -41,6 +41,7 @@ from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
 from .configuration import MoEConfig, _base_config_class, moe_config_class
+from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .generation import prepare_generate_kwargs
 from .layers import SparseMoeBlock
 from .layers.router import AuxFreeRouter
@@ -179,7 +180,15 @@ class MoEPreTrainedModel(PreTrainedModel):
         block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`). With
         `offload_experts="disk"|"cpu"` and `max_expert_memory`, the experts stay in their files and are read on
         demand into a bounded cache (`hf_moe.offload`).
+
+        A checkpoint of adapter experts (`convert_to_moe(..., method="lora" | "pesc")`) holds only what was trained:
+        it is loaded onto the base model it records, whose weights must match the fingerprint recorded at conversion;
+        `base=` (a path, Hub id or the dense model itself) names the base instead (hf_moe/convert/adapter_experts.py).
         """
+        adapter_dir = os.path.normpath(os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder", "")))
+        if is_adapter_checkpoint(adapter_dir):
+            kwargs.pop("subfolder", None)  # (the checkpoint's, not the base's)
+            return load_adapter_model(cls, adapter_dir, *model_args, expert_parallel=expert_parallel, **kwargs)
         if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
             return load_offloaded(
                 cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import remove_tied_weights_from_state_dict
 from ..layers import Experts
+from ..layers.adapter_experts import AdapterExperts
 from .format import EXPERT_FILE_PREFIX, EXPERT_KEY, natural_key
 
 
@@ -35,11 +36,12 @@ def _without_ignored(model, state_dict: dict[str, torch.Tensor]) -> dict[str, to
 def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "") -> dict[str, torch.Tensor]:
     """`state_dict` (of `module`, its keys preceded by `prefix`) with every fused expert tensor [E, ...] of the
     module's `Experts` split per expert as views: `...experts.up_proj` -> `...experts.{e}.up_proj`, e counted from
-    the module's first expert (not 0 for a block of experts held under expert parallelism)."""
+    the module's first expert (not 0 for a block of experts held under expert parallelism). The adapters of
+    `AdapterExperts` are split the same way (its frozen MLP, a child module, is not per expert)."""
     offsets = {  # fused key -> (global id of the first expert of a block, experts in all)
         f"{prefix}{module_name}.{param_name}": (experts.expert_offset, experts.num_experts)
         for module_name, experts in module.named_modules()
-        if isinstance(experts, Experts)
+        if isinstance(experts, (Experts, AdapterExperts))
         for param_name, _ in experts.named_parameters(recurse=False)
     }
     out = {}
