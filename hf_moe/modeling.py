@@ -44,6 +44,7 @@ from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .generation import prepare_generate_kwargs
 from .layers import SparseMoeBlock
+from .layers.adapter_experts import AdapterExperts
 from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
 from .offload import load_offloaded
@@ -374,8 +375,8 @@ class MoEPreTrainedModel(PreTrainedModel):
             return p.numel() * experts.num_experts // experts.num_local_experts
 
         blocks = moe_blocks(self)
-        expert_params = {id(p) for block in blocks for p in block.experts.parameters()}
-        expert = sum(full_numel(p, block.experts) for block in blocks for p in block.experts.parameters())
+        expert_params = {id(p) for block in blocks for p in _routed_parameters(block.experts)}
+        expert = sum(full_numel(p, block.experts) for block in blocks for p in _routed_parameters(block.experts))
         total = sum(full_numel(p) for p in self.parameters() if id(p) not in expert_params) + expert
         c = self.config
         active = total - expert + expert * c.num_experts_per_tok // c.num_experts
@@ -447,6 +448,12 @@ class MoEForTokenClassification(MoEPreTrainedModel):
 
 
 HEADS = (MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification)
+
+
+def _routed_parameters(experts):
+    """The parameters of an experts module that belong to one expert each: all, except the frozen MLP adapter experts
+    share (a token runs it whichever experts it is routed to)."""
+    return experts.parameters(recurse=not isinstance(experts, AdapterExperts))
 
 
 def _with_config_kwargs(config: MoEConfig, kwargs: dict) -> MoEConfig:

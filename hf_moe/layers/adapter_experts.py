@@ -5,21 +5,30 @@ Two methods (`config.adapter_experts["method"]`):
     lora  (MixLoRA, arXiv 2404.15159): expert e's projections are W + s B_e A_e, on the projections chosen
           (`target_modules`: gate_proj, up_proj, down_proj), s = lora_alpha / r. Materializes into plain experts.
     pesc  (PESC / Camelidae, arXiv 2401.02731): expert e(x) = F(x) + s U_e act(D_e F(x)), F the frozen MLP: a
-          bottleneck adapter on the MLP's output. Cheaper per pair (no [M, I] tensor), but the expert is no MLP of
-          the Mixtral shape, so it cannot be materialized into plain experts.
+          bottleneck adapter on the MLP's output. All of it runs per token (below), but the expert is no MLP of the
+          Mixtral shape, so it cannot be materialized into plain experts.
 
-What runs per token and what per (token, expert) pair (N tokens, k experts each, M = N * k pairs, rank r; the pairs
-are sorted by expert as for every hf_moe MoE, and each low-rank product is one grouped GEMM over them):
+What runs per token and what per (token, expert) pair (N tokens, k experts each, M = N * k pairs, E experts, rank r;
+the pairs are sorted by expert as for every hf_moe MoE, and each per-pair low-rank product is one grouped GEMM):
 
-    lora   per token  x W_gate^T, x W_up^T                [N, 2I]   (frozen, not repeated per expert)
-                      W_down (sum_j w_j a_j)              [N, H]    (frozen; W_down is shared and linear, so the
-                                                                    weighted sum is taken before it)
+    lora   per token  x W_gate^T, x W_up^T                [N, 2I]   frozen, not repeated per expert
+                      A_e x for all E experts             [N, E*2r] as a plain LoRA of rank E*r; each pair takes its
+                                                                    expert's columns
+                      W_down (sum_j w_j a_j)              [N, H]    frozen; W_down is shared and linear, so the
+                                                                    weighted sum over the pairs is taken before it
+                      B_down over the pairs' A_down a     [N, E*r] -> [N, H]
            per pair   gather of the token's gate/up rows  [M, 2I]
-                      (x A^T) B^T on gate and up          [M, r] -> [M, 2I]
+                      + s B_e (A_e x) on gate and up      [M, 2r] -> [M, 2I]   grouped
                       a = act(gate) * up * w              [M, I]
-                      (a A_down^T) B_down^T               [M, r] -> [M, H], then summed per token
-    pesc   per token  F(x) = the frozen MLP               [N, H]
-           per pair   act(F(x) D^T) U^T                   [M, r] -> [M, H], then summed per token
+                      A_down,e a                          [M, r]    grouped
+    pesc   per token  F(x), the frozen MLP                [N, H]
+                      act(D_e F(x)) for all E experts     [N, E*r], weighted by each chosen expert's routing weight
+                                                                    (0 for the others), then U -> [N, H]
+           per pair   nothing
+
+The low-rank products run per token over all E experts cost E/k times the grouped product of the pairs, and what a
+plain LoRA of rank E*r costs: with E*r well below I (MixLoRA: 8 x 16 against I = 11008) that is small next to the
+frozen projections, and it saves the per-pair gathers and small GEMMs.
 
 At initialisation B (lora) or U (pesc) is zero: the block computes the dense MLP (times the sum of the routing
 weights, one with renormalised top-k) and the model the dense model's logits, to fp32 rounding.
@@ -33,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -210,10 +221,11 @@ class AdapterExperts(nn.Module):
             k = top_k_index.shape[1]
             sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, self.num_experts)
             token = torch.div(sorted_slots, k, rounding_mode="floor")  # [M]: the token of each sorted row
+            expert = top_k_index.reshape(-1).index_select(0, sorted_slots).clamp_min(0)  # [M] (dropped: any id)
             kept = torch.arange(token.shape[0], device=x.device) < tokens_per_expert.sum()  # dropped pairs sort last
             row_weight = top_k_weights.reshape(-1).to(x.dtype).index_select(0, sorted_slots) * kept  # [M]
-            return self._experts(ops, x, token, tokens_per_expert, row_weight,
-                                 lambda rows: ops.unpermute(rows, slot_to_row, None, k), dtype)
+            rows = _Rows(token, expert, tokens_per_expert, row_weight, lambda t: ops.unpermute(t, slot_to_row, None, k))
+            return self._experts(ops, x, rows, dtype)
 
     def expert_choice(
         self, hidden_states: torch.Tensor, expert_index: torch.Tensor, expert_weights: torch.Tensor
@@ -226,64 +238,80 @@ class AdapterExperts(nn.Module):
             e, c = expert_index.shape
             token = expert_index.reshape(-1)
             tokens_per_expert = torch.full((e,), c, dtype=torch.int64, device=x.device)
-            row_weight = expert_weights.reshape(-1).to(x.dtype)
+            expert = torch.arange(e, device=x.device).repeat_interleave(c)
 
-            def combine(rows: torch.Tensor) -> torch.Tensor:
-                acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-                return rows.new_zeros(x.shape[0], rows.shape[1], dtype=acc).index_add(0, token, rows.to(acc)).to(
-                    rows.dtype)
+            def combine(t: torch.Tensor) -> torch.Tensor:  # (an expert takes a token at most once)
+                acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+                return t.new_zeros(x.shape[0], t.shape[1], dtype=acc).index_add(0, token, t.to(acc)).to(t.dtype)
 
-            return self._experts(ops, x, token, tokens_per_expert, row_weight, combine, dtype)
+            rows = _Rows(token, expert, tokens_per_expert, expert_weights.reshape(-1).to(x.dtype), combine)
+            return self._experts(ops, x, rows, dtype)
 
-    def _experts(self, ops, x, token, tokens_per_expert, row_weight, combine, dtype) -> torch.Tensor:
-        """The computation of the module docstring over rows grouped by expert.
-
-        Args:
-            x: [N, H]; token: [M] the token of each row; tokens_per_expert: [E] group sizes (rows past the groups are
-            dropped pairs: weight 0); row_weight: [M] routing weight of each row; combine: [M, D] -> [N, D], the sum
-            of each token's rows; dtype: the autocast dtype, or None.
-        """
+    def _experts(self, ops, x: torch.Tensor, rows: _Rows, dtype) -> torch.Tensor:
+        """The computation of the module docstring: x [N, H] -> [N, H] over the (token, expert) pairs `rows`.
+        `dtype`: the autocast dtype, or None. The low-rank products that do not depend on the pair run per token
+        over all E experts at once (a GEMM of E * r columns, as a plain LoRA of that rank), and each pair picks its
+        expert's r columns; those that do, per pair, grouped by expert."""
         cast = (lambda t: t.to(dtype) if t is not None else None) if dtype is not None else (lambda t: t)
-        base = self.base_layer
+        base, e, r = self.base_layer, self.num_experts, self.rank
+        n = x.shape[0]
+        slot = rows.token * e + rows.expert  # [M]: the pair's row in a [N * E, ...] per-token-and-expert view
+        weight_sum = rows.combine(rows.weight.unsqueeze(1))  # [N, 1]: the sum of each token's kept weights
+        if self.method == "pesc":  # all of it per token: act(F(x) D_e^T) U_e^T for every expert, routing-weighted
+            y = _dense_mlp(x, base, self.act_fn, self.has_gate, cast)  # [N, H]
+            inner = ACT2FN[self.adapter_act](F.linear(self.dropout(y), cast(self.adapter_down).reshape(e * r, -1)))
+            weights = x.new_zeros(n * e).index_add(0, slot, rows.weight).view(n, e, 1)  # [N, E, 1]: 0 if not chosen
+            up = cast(self.adapter_up).permute(1, 0, 2).reshape(-1, e * r)  # [H, E * r]
+            return y * weight_sum + self.scaling * F.linear((inner.view(n, e, r) * weights).view(n, e * r), up)
 
-        def grouped(rows: torch.Tensor, name: str) -> torch.Tensor:  # rows [M, in] @ param[e]^T -> [M, out]
-            return ops.grouped_mm(rows, cast(getattr(self, name)), tokens_per_expert, None, None, True)
-
-        weight_sum = combine(row_weight.unsqueeze(1))  # [N, 1]: the sum of each token's kept weights
-        if self.method == "pesc":
-            y = _dense_mlp(x, base, self.act_fn, self.has_gate, cast)  # [N, H], once per token
-            rows = self.dropout(y.index_select(0, token))  # [M, H]
-            inner = ACT2FN[self.adapter_act](grouped(rows, "adapter_down"))  # [M, r]
-            delta = grouped(inner, "adapter_up") * (self.scaling * row_weight).unsqueeze(1)  # [M, H]
-            return y * weight_sum + combine(delta)
-
-        # lora: the frozen gate/up projections once per token, gathered per pair, plus each expert's low-rank delta
-        width = self.intermediate_dim
+        # lora: frozen gate/up once per token, gathered per pair; each pair adds its expert's s B_e A_e x
         if self.has_gate:
             h0 = torch.cat([F.linear(x, cast(base.gate_proj), cast(base.gate_proj_bias)),
                             F.linear(x, cast(base.up_proj), cast(base.up_proj_bias))], dim=1)  # [N, 2I]
         else:
             h0 = F.linear(x, cast(base.up_proj), cast(base.up_proj_bias))  # [N, I]
-        h = h0.index_select(0, token)  # [M, W]
-        inputs = [t for t in ("gate_proj", "up_proj") if t in self.targets]
+        h = h0.index_select(0, rows.token)  # [M, W]
+        inputs = [t.removesuffix("_proj") for t in ("gate_proj", "up_proj") if t in self.targets]
         if inputs:
-            rows = self.dropout(x.index_select(0, token))  # [M, H]
-            a = [cast(getattr(self, f"{t.removesuffix('_proj')}_lora_A")) for t in inputs]
-            low = ops.grouped_mm(rows, torch.cat(a, dim=1) if len(a) > 1 else a[0], tokens_per_expert, None, None,
-                                 True)  # [M, r * len(inputs)]: one GEMM for gate's and up's A
-            for j, target in enumerate(inputs):
-                delta = grouped(low[:, j * self.rank:(j + 1) * self.rank].contiguous(),
-                                f"{target.removesuffix('_proj')}_lora_B")  # [M, I]
-                start = width if target == "up_proj" and self.has_gate else 0
-                h[:, start:start + width] += self.scaling * delta  # (h is a fresh gather: in place is safe)
-        act = _WeightedAct.apply(h, row_weight, ops, kernel_activation(self.activation), self.has_gate)  # [M, I]
-        out = F.linear(combine(act), cast(base.down_proj))  # [N, H]: W_down once per token
+            a = torch.cat([cast(getattr(self, f"{role}_lora_A")) for role in inputs], dim=1)  # [E, R, H]
+            xa = F.linear(self.dropout(x), a.reshape(-1, x.shape[1]))  # [N, E * R]: A x per token, every expert
+            low = xa.view(n * e, -1).index_select(0, slot)  # [M, R]: the pair's expert's
+            h += self.scaling * ops.grouped_mm(low, self._input_b(inputs, cast), rows.tokens_per_expert, None, None,
+                                               True)  # (h is a fresh gather: in place is safe)
+        act = _WeightedAct.apply(h, rows.weight, ops, kernel_activation(self.activation), self.has_gate)  # [M, I]
+        out = F.linear(rows.combine(act), cast(base.down_proj))  # [N, H]: W_down once per token
         if base.down_proj_bias is not None:
             out = out + weight_sum * cast(base.down_proj_bias)
-        if "down_proj" in self.targets:
-            low = grouped(self.dropout(act), "down_lora_A")  # [M, r]
-            out = out + combine(grouped(low, "down_lora_B") * self.scaling)
+        if "down_proj" in self.targets:  # A_down per pair (grouped), B_down per token over the pairs' blocks
+            low = ops.grouped_mm(self.dropout(act), cast(self.down_lora_A), rows.tokens_per_expert, None, None, True)
+            blocks = low.new_zeros(n * e, r).index_add(0, slot, low).view(n, e * r)  # [N, E * r]
+            b = cast(self.down_lora_B).permute(1, 0, 2).reshape(-1, e * r)  # [H, E * r]
+            out = out + self.scaling * F.linear(blocks, b)
         return out
+
+    def _input_b(self, inputs: list[str], cast) -> torch.Tensor:
+        """[E, W, R]: the B of the targeted input projections (gate, up) as one block-diagonal weight per expert, so
+        that one grouped GEMM gives the [M, W] delta of both (W = 2I with a gate, else I; R = r per target; the rows
+        of an untargeted projection are zero)."""
+        b = {role: cast(getattr(self, f"{role}_lora_B")) for role in inputs}  # each [E, I, r]
+        zero = torch.zeros_like(next(iter(b.values())))
+        roles = ("gate", "up") if self.has_gate else ("up",)
+        return torch.cat([torch.cat([b[role] if role == col else zero for col in inputs], dim=2) for role in roles],
+                         dim=1)
+
+
+class _Rows(NamedTuple):
+    """The (token, expert) pairs of one forward, grouped by expert (M rows).
+
+    token, expert [M]: each row's token and expert; tokens_per_expert [E]: group sizes (rows past the groups are
+    dropped pairs); weight [M]: routing weights (0 for dropped pairs); combine: [M, D] -> [N, D], the sum of each
+    token's rows."""
+
+    token: torch.Tensor
+    expert: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    weight: torch.Tensor
+    combine: Callable[[torch.Tensor], torch.Tensor]
 
 
 class _WeightedAct(torch.autograd.Function):
