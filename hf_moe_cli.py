@@ -28,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("out", help="output directory")
     convert.add_argument("--num-experts", type=int, required=True)
     convert.add_argument("--top-k", type=int, required=True)
-    convert.add_argument("--method", default="upcycle", choices=["upcycle", "split"],
-                         help="upcycle: every expert a copy of the MLP; split: the MLP's neurons cut into experts")
+    convert.add_argument("--method", default="upcycle", choices=["upcycle", "split", "lora", "pesc"],
+                         help="upcycle: every expert a copy of the MLP; split: the MLP's neurons cut into experts; "
+                         "lora / pesc: adapter experts, the frozen MLP plus a small trainable adapter per expert "
+                         "(saves only the adapters and routers; docs/adapter-experts.md)")
     which = convert.add_mutually_exclusive_group()
     which.add_argument("--layers", type=_layers, help="decoder layers to convert, e.g. 0,2,4 (default: all)")
     which.add_argument("--every", type=int, help="convert layers i with (i + 1) %% N == 0")
@@ -48,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument("--partition", choices=["random", "kmeans", "coactivation"], help="default: kmeans")
     split.add_argument("--calibration-data", help="coactivation: a local .txt/.json/.jsonl file with a text field")
     split.add_argument("--calibration-tokens", type=int)
+    adapter = convert.add_argument_group("lora, pesc (adapter experts)")
+    adapter.add_argument("--rank", type=int, help="the adapters' rank r (default 16)")
+    adapter.add_argument("--lora-alpha", type=float, help="scaling lora_alpha / r (default: 2 * rank)")
+    adapter.add_argument("--target-modules", help="lora: comma-separated projections among gate_proj,up_proj,"
+                         "down_proj (default: all the MLP has)")
+    adapter.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input in training (default 0)")
+    adapter.add_argument("--adapter-act", help="pesc: the bottleneck's activation (default gelu)")
     convert.add_argument("--in-memory", action="store_true", help="load the whole model and check the converted "
                          "logits against the dense model's (default: stream a local safetensors checkpoint tensor "
                          "by tensor and check every MoE block against its MLP)")
@@ -78,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     shrink.add_argument("--calibration-tokens", type=int, default=4096)
     shrink.add_argument("--seq-len", type=int, default=256, help="calibration tokens per row")
     shrink.add_argument("--max-shard-size", default="5GB")
+
+    materialize = sub.add_parser("materialize", help="turn a checkpoint of LoRA adapter experts into an ordinary "
+                                 "MoE checkpoint (expert e = W + B_e A_e): exportable, quantizable, mergeable")
+    materialize.add_argument("src", help="a directory saved by hf_moe with adapter experts (method lora)")
+    materialize.add_argument("out", help="output directory")
+    materialize.add_argument("--base", help="the dense base model (default: the one the checkpoint records)")
+    materialize.add_argument("--max-shard-size", default="5GB")
 
     inspect = sub.add_parser("inspect", help="describe a saved MoE checkpoint (without loading its weights)")
     inspect.add_argument("dir")

@@ -19,9 +19,10 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
-from .checkpoint import validate_checkpoint
+from .checkpoint import CheckpointError, validate_checkpoint
 from .compat import register_output_recording
 from .configuration import MoEConfig, moe_config_class
+from .convert.adapter_experts import is_adapter_checkpoint
 from .convert.adapters import find_decoder_layers
 from .layers import RouterOutput, SparseMoeBlock
 from .layers.dense_keys import warn_on_replaced_mlp_keys
@@ -57,6 +58,11 @@ class MoEBackboneMixin:
         """`PreTrainedModel.from_pretrained` of the backbone alone, with the checks of `validate_checkpoint` first."""
         local_dir = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
         verify_checksums = kwargs.pop("verify_checksums", None)
+        if is_adapter_checkpoint(local_dir):  # (it holds the adapters only: the causal LM loads them onto the base)
+            raise CheckpointError(
+                f"{local_dir} holds adapter experts, loaded onto their base model by the model class: "
+                "AutoModelForCausalLM / MoEForCausalLM.from_pretrained, then take its `.model`."
+            )
         if os.path.isdir(local_dir):
             validate_checkpoint(local_dir, verify_checksums=verify_checksums)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)

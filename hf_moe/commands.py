@@ -9,8 +9,10 @@ import time
 
 _OPTION_FLAGS = (
     "capacity_factor", "every", "dtype", "num_shared_experts", "router_weights", "noise", "reinit_fraction",
-    "partition", "calibration_data", "calibration_tokens",
+    "partition", "calibration_data", "calibration_tokens", "rank", "lora_alpha", "target_modules", "lora_dropout",
+    "adapter_act",
 )
+_ADAPTER_METHODS = ("lora", "pesc")  # (hf_moe/layers/adapter_experts.py; named here so `--help` stays light)
 
 
 def _convert(args) -> None:
@@ -29,7 +31,8 @@ def _convert(args) -> None:
         )
     tokenizer = _tokenizer_writer(args.src)  # into OUT's staging directory: OUT appears with it, atomically
     model = None
-    if not args.in_memory and os.path.isdir(args.src):
+    streamable = args.method not in _ADAPTER_METHODS  # (adapter experts save a few MB: nothing to stream)
+    if streamable and not args.in_memory and os.path.isdir(args.src):
         try:
             model = convert_checkpoint(
                 args.src, args.out, args.num_experts, args.top_k, method=args.method, layers=args.layers,
@@ -42,8 +45,12 @@ def _convert(args) -> None:
         model = convert_to_moe(
             args.src, args.num_experts, args.top_k, method=args.method, layers=args.layers, **options
         )
-        check_disk(args.out, sum(p.numel() * p.element_size() for p in model.parameters()))  # before writing
+        saved = (p for p in model.parameters() if p.requires_grad or args.method not in _ADAPTER_METHODS)
+        check_disk(args.out, sum(p.numel() * p.element_size() for p in saved))  # before writing (adapters: trained)
         save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
+    if args.method in _ADAPTER_METHODS:
+        _report_adapters(args, model, time.perf_counter() - start)
+        return
     counts = model.parameter_counts()
     conv = model.config.moe_conversion
     print(
@@ -59,6 +66,49 @@ def _convert(args) -> None:
         )
     if "max_abs_block_diff" in conv:
         print(f"Max |MoE block - dense MLP| over the MoE layers on a random probe: {block_diff_text(conv)}.")
+
+
+def _report_adapters(args, model, seconds: float) -> None:
+    spec = model.config.adapter_experts
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    what = f"lora on {', '.join(spec['target_modules'])}" if spec["method"] == "lora" else f"pesc ({spec['adapter_act']})"
+    print(
+        f"Converted {args.src} -> {args.out} in {seconds:.1f}s: {len(model.config.moe_layers)} MoE layers x "
+        f"{args.num_experts} adapter experts (top-{args.top_k}), {what}, r={spec['r']}, lora_alpha={spec['lora_alpha']}; "
+        f"{trainable / 1e6:.2f}M trainable parameters (routers and adapters) on {frozen / 1e6:.1f}M frozen ones. "
+        f"{args.out} holds only the trained tensors; it loads onto {spec['base_model']['name_or_path']} (checked by "
+        "fingerprint)."
+    )
+    conv = model.config.moe_conversion
+    if "max_abs_logit_diff" in conv:
+        print(f"Max |logit difference| to the dense model on a random probe: {conv['max_abs_logit_diff']:.2e}.")
+
+
+def _materialize(args) -> None:
+    """`hf-moe materialize SRC OUT`: adapter experts -> plain experts (hf_moe/convert/materialize.py)."""
+    from .checkpoint import same_directory, save_checkpoint
+    from .convert.materialize import materialize
+
+    start = time.perf_counter()
+    if same_directory(args.src, args.out):
+        raise ValueError(f"OUT {args.out} is SRC {args.src}: choose another OUT (SRC is the adapter checkpoint).")
+    model = materialize(args.src, base=args.base)
+    tokenizer = _tokenizer_writer(args.src) if _has_tokenizer(args.src) else None
+    save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
+    counts = model.parameter_counts()
+    print(
+        f"Materialized {args.src} -> {args.out} in {time.perf_counter() - start:.1f}s: "
+        f"{len(model.config.moe_layers)} MoE layers x {model.config.num_experts} plain experts, "
+        f"{counts['total'] / 1e6:.1f}M parameters ({counts['active'] / 1e6:.1f}M active per token). It is an ordinary "
+        "hf_moe checkpoint: hf-moe export, int8, offload and merge take it."
+    )
+
+
+def _has_tokenizer(directory: str) -> bool:
+    from .checkpoint import TOKENIZER_FILES
+
+    return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
 
 
 def _tokenizer_writer(src: str):
@@ -347,7 +397,7 @@ def _plan(args) -> None:
 
 COMMANDS = {
     "convert": _convert, "merge": _merge, "inspect": _inspect, "export": _export, "verify": _verify, "plan": _plan,
-    "generate": _generate,
+    "generate": _generate, "materialize": _materialize,
     "shrink": _shrink,
 }
 

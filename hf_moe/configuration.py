@@ -25,6 +25,7 @@ from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
 from .compat import CONFIG_MAPPING, attn_implementation
+from .layers.adapter_experts import check_adapter_spec
 from .layers.router import ROUTERS
 from .version import __version__
 
@@ -81,6 +82,11 @@ class MoEConfig(PreTrainedConfig):
             decoder layer), Bloom's `mlp.gelu_impl` and `mlp.dense_4h_to_h` (its MLP's forward also adds the
             residual). They become identities.
         moe_conversion (`dict`): how the model was made (base model, method, options), for the model card.
+        adapter_experts (`dict`): set for adapter experts (`convert_to_moe(..., method="lora" | "pesc")`): every expert
+            is the frozen dense MLP plus a small trainable adapter (`hf_moe.layers.adapter_experts`). Holds the method,
+            `r`, `lora_alpha`, `lora_dropout`, `target_modules` (lora) or `adapter_act` (pesc), and `base_model`:
+            the dense checkpoint the frozen weights come from, with a fingerprint of them (a checkpoint holds only
+            the trained tensors; `from_pretrained` reads the rest from the base). None for ordinary experts.
         hf_moe_format (`int`): checkpoint layout version.
     """
 
@@ -120,6 +126,7 @@ class MoEConfig(PreTrainedConfig):
     moe_block_path: str = "mlp"
     moe_bypassed_paths: list[str] | None = None
     moe_conversion: dict | None = None
+    adapter_experts: dict | None = None  # (issue 30) experts = a frozen MLP + per-expert adapters
     hf_moe_format: int = CHECKPOINT_FORMAT_VERSION
 
     def __new__(cls, *args, **kwargs):
@@ -200,6 +207,11 @@ class MoEConfig(PreTrainedConfig):
                 f"Unknown router_type {_brief(self.router_type)}. Registered routers: {', '.join(sorted(ROUTERS))}. "
                 "A custom router must be registered (@hf_moe.register_router) before the config is created."
             )
+        if self.adapter_experts is not None:
+            check_adapter_spec(self.adapter_experts, self.expert_glu)
+            if self.num_shared_experts:
+                raise ValueError("adapter_experts with num_shared_experts: every adapter expert already holds the "
+                                 "whole dense MLP; shared experts are for upcycled or merged experts.")
         if self.expert_hidden_act not in ACT2FN:
             raise ValueError(
                 f"expert_hidden_act {_brief(self.expert_hidden_act)} is not an activation of transformers "
@@ -273,7 +285,7 @@ _FIELD_TYPES = {
 _NULLABLE = {
     "moe_layers", "moe_intermediate_size", "capacity_factor", "eval_capacity_factor", "num_prototypes",
     "shared_expert_intermediate_size", "router_init_std", "decoder_layers_path", "moe_bypassed_paths",
-    "moe_conversion",
+    "moe_conversion", "adapter_experts",
 }
 
 
@@ -325,8 +337,10 @@ def _check_types(config) -> None:
         value, kind = getattr(config, name), _INT if name == "moe_layers" else _STR
         if value is not None and not (isinstance(value, (list, tuple)) and all(_is(v, kind) for v in value)):
             raise ValueError(f"{name} must be a list of {'ints' if kind == _INT else 'strings'}, got {_brief(value)}.")
-    if config.moe_conversion is not None and not isinstance(config.moe_conversion, dict):
-        raise ValueError(f"moe_conversion must be an object, got {_brief(config.moe_conversion)}.")
+    for name in ("moe_conversion", "adapter_experts"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{name} must be an object, got {_brief(value)}.")
 
 
 def _empty_config(base_model_type: str) -> MoEConfig:

@@ -258,6 +258,11 @@ def _routing_problems(config: MoEConfig, target: NativeTarget | None) -> list[st
 
 def _expert_problems(config: MoEConfig, target: NativeTarget | None = None) -> list[str]:
     problems = []
+    if getattr(config, "adapter_experts", None) is not None:
+        problems.append(
+            "adapter_experts: each expert is the frozen dense MLP plus an adapter, held apart; materialize them into "
+            "plain experts first (`hf-moe materialize DIR OUT`, or hf_moe.materialize) and export the result."
+        )
     if not config.expert_glu:
         problems.append(
             "expert_glu=False: the experts are plain MLPs; native MoE experts are gated (SiLU GLU). Only a base "

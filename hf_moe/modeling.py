@@ -42,8 +42,10 @@ from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
 from .configuration import MoEConfig, _base_config_class, moe_config_class
+from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .generation import prepare_generate_kwargs
 from .layers import SparseMoeBlock
+from .layers.adapter_experts import AdapterExperts
 from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
 from .offload import load_offloaded
@@ -180,7 +182,15 @@ class MoEPreTrainedModel(PreTrainedModel):
         block of experts (see `hf_moe.expert_parallel` for `expert_parallel_size` and `process_group`). With
         `offload_experts="disk"|"cpu"` and `max_expert_memory`, the experts stay in their files and are read on
         demand into a bounded cache (`hf_moe.offload`).
+
+        A checkpoint of adapter experts (`convert_to_moe(..., method="lora" | "pesc")`) holds only what was trained:
+        it is loaded onto the base model it records, whose weights must match the fingerprint recorded at conversion;
+        `base=` (a path, Hub id or the dense model itself) names the base instead (hf_moe/convert/adapter_experts.py).
         """
+        adapter_dir = os.path.normpath(os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder", "")))
+        if is_adapter_checkpoint(adapter_dir):
+            kwargs.pop("subfolder", None)  # (the checkpoint's, not the base's)
+            return load_adapter_model(cls, adapter_dir, *model_args, expert_parallel=expert_parallel, **kwargs)
         if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
             return load_offloaded(
                 cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs
@@ -372,8 +382,8 @@ class MoEPreTrainedModel(PreTrainedModel):
             return p.numel() * experts.num_experts // experts.num_local_experts
 
         blocks = moe_blocks(self)
-        expert_params = {id(p) for block in blocks for p in block.experts.parameters()}
-        expert = sum(full_numel(p, block.experts) for block in blocks for p in block.experts.parameters())
+        expert_params = {id(p) for block in blocks for p in _routed_parameters(block.experts)}
+        expert = sum(full_numel(p, block.experts) for block in blocks for p in _routed_parameters(block.experts))
         total = sum(full_numel(p) for p in self.parameters() if id(p) not in expert_params) + expert
         c = self.config
         active = total - expert + expert * c.num_experts_per_tok // c.num_experts
@@ -445,6 +455,12 @@ class MoEForTokenClassification(MoEPreTrainedModel):
 
 
 HEADS = (MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification)
+
+
+def _routed_parameters(experts):
+    """The parameters of an experts module that belong to one expert each: all, except the frozen MLP adapter experts
+    share (a token runs it whichever experts it is routed to)."""
+    return experts.parameters(recurse=not isinstance(experts, AdapterExperts))
 
 
 def _with_config_kwargs(config: MoEConfig, kwargs: dict) -> MoEConfig:

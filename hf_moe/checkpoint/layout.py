@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat import remove_tied_weights_from_state_dict
 from ..layers import Experts
+from ..layers.adapter_experts import AdapterExperts
 from ..layers.quantized import QuantizedExperts
 from .format import EXPERT_FILE_PREFIX, EXPERT_KEY, natural_key
 
@@ -37,11 +38,12 @@ def split_experts(state_dict: dict[str, torch.Tensor], module, prefix: str = "")
     """`state_dict` (of `module`, its keys preceded by `prefix`) with every fused expert tensor [E, ...] of the
     module's `Experts` (and `QuantizedExperts`) split per expert as views: `...experts.up_proj` ->
     `...experts.{e}.up_proj`, e counted from the module's first expert (not 0 for a block of experts held under expert
-    parallelism)."""
+    parallelism). The adapters of `AdapterExperts` are split the same way (its frozen MLP, a child module, is not per
+    expert)."""
     offsets = {  # fused key -> (global id of the first expert of a block, experts in all)
         f"{prefix}{module_name}.{name}": (experts.expert_offset, experts.num_experts)
         for module_name, experts in module.named_modules()
-        if isinstance(experts, (Experts, QuantizedExperts))
+        if isinstance(experts, (Experts, QuantizedExperts, AdapterExperts))
         for name, _ in _expert_tensors(experts)
     }
     out = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..configuration import _cut
+from ..layers.adapter_experts import checkpoint_expectations
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
 from .checks import (
     check_block_paths, check_expert_keys, check_files, check_generation_config, check_int8_scales, check_routers,
@@ -61,7 +62,9 @@ def validate_checkpoint(
 
     headers = check_files(directory, weight_map, checksums)
     moe_config = read_moe_config(directory, config)
-    check_expert_keys(directory, moe_config, weight_map)
+    adapters = moe_config.adapter_experts is not None  # (only what was trained is saved; the rest is the base's)
+    if not adapters:
+        check_expert_keys(directory, moe_config, weight_map)
     try:
         expected = expected_tensors(moe_config, model_class)
     except Exception as err:  # noqa: BLE001 - ZeroDivisionError, AssertionError, ImportError ...: name the file
@@ -69,6 +72,8 @@ def validate_checkpoint(
             f"{directory}/config.json describes no model that can be built here ({type(err).__name__}: "
             f"{_cut(str(err), 400)}). Restore it from a good copy."
         ) from None
+    if adapters:
+        expected = checkpoint_expectations(expected, weight_map, moe_config)
     check_tensors(directory, weight_map, headers, expected, moe_config)
     check_block_paths(directory, moe_config)
     check_generation_config(directory)

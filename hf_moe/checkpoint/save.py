@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..compat import convert_file_size_to_int
+from ..layers.adapter_experts import trained_state_dict
 from ..layers.quantized import QuantizedExperts
 from ..model_card import render_model_card
 from .checksums import checksum_files, config_checksums
@@ -53,7 +54,12 @@ def save_checkpoint(
 
     `extra(staging)`, if given, writes more files into the checkpoint before the commit (a tokenizer): they appear
     with the model, atomically.
+
+    A model with adapter experts (`config.adapter_experts`) writes only what was trained: the routers and adapters,
+    and any other parameter that requires grad; the config names the base checkpoint the rest comes from.
     """
+    if getattr(model.config, "adapter_experts", None) is not None:  # only what was trained; the rest is the base's
+        state_dict = trained_state_dict(model, state_dict)
     sharded = is_sharded(model, state_dict)
     if not sharded and not is_main_process:
         return

@@ -18,14 +18,19 @@ from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig, _brief
 from ..layers import SparseMoeBlock
+from ..layers.adapter_experts import ADAPTER_METHODS
 from ..model_card import hub_model_id
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
+from .adapter_experts import (
+    ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_spec, base_reference, check_adapter_options,
+    freeze_base,
+)
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .estimate import check_memory, estimate_conversion
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block
 
-METHODS = ("upcycle", "split")
+METHODS = ("upcycle", "split", *ADAPTER_METHODS)
 # Options of convert_to_moe beyond its named arguments, with their defaults.
 OPTIONS: dict[str, Any] = {
     "every": None,  # MoE in layers i with (i + 1) % every == 0, as transformers' decoder_sparse_step
@@ -38,6 +43,9 @@ OPTIONS: dict[str, Any] = {
     "calibration_data": None,  # split + coactivation: local .txt/.json/.jsonl read with `datasets`
     "calibration_tokens": 2048,
     "tokenizer": None,  # for calibration_data when the model is passed as an object
+    # lora / pesc: adapter experts (convert/adapter_experts.py); `r` is the PEFT name of `rank`
+    **ADAPTER_OPTIONS,
+    "r": None,
     # MoEConfig fields (see its docstring)
     "router_type": "topk",
     "norm_topk_prob": True,
@@ -77,6 +85,7 @@ RECORDED_OPTIONS = (
 METHOD_OPTIONS = {
     "upcycle": ("noise", "reinit_fraction"),
     "split": ("partition", "calibration_data", "calibration_tokens", "tokenizer"),
+    **METHOD_OPTION_NAMES,
 }
 _MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -99,8 +108,10 @@ def convert_to_moe(
             left as it was (the MoE model is built on a copy of it) unless `inplace=True`.
         num_experts: experts per MoE layer.
         top_k: experts per token (`num_experts_per_tok`).
-        method: "upcycle" (every expert a copy of the dense MLP, see `upcycle.py`) or "split" (the MLP's neurons
-            partitioned into experts, see `split.py`).
+        method: "upcycle" (every expert a copy of the dense MLP, see `upcycle.py`), "split" (the MLP's neurons
+            partitioned into experts, see `split.py`), or adapter experts (`adapter_experts.py`): "lora" (every
+            expert the frozen MLP plus its own low-rank deltas, MixLoRA) or "pesc" (the frozen MLP's output plus
+            each expert's bottleneck adapter, PESC); only their routers and adapters train.
         layers: decoder layers to convert (negative indices count from the end); default all. See `every`.
         inplace: convert the loaded model passed in itself, as FastMoE's `fmoefy` and PEFT's `get_peft_model` do:
             it becomes the MoE model (its attention, embeddings and norms are shared, not copied), which saves
@@ -110,6 +121,9 @@ def convert_to_moe(
             upcycle: noise, reinit_fraction (Drop-Upcycling);
             split: partition ("random", "kmeans", "coactivation"), calibration_data (a local .txt/.json/.jsonl
                 file for "coactivation"), calibration_tokens, tokenizer (when the model is passed as an object);
+            lora, pesc: rank (or r; default 16), lora_alpha (default 2 * rank; scaling lora_alpha / rank),
+                lora_dropout; lora: target_modules (of gate_proj, up_proj, down_proj; default all the MLP has);
+                pesc: adapter_act (default "gelu");
             MoEConfig fields: router_type, norm_topk_prob, router_aux_loss_coef, router_z_loss_coef,
                 router_init_std, capacity_factor, eval_capacity_factor, router_jitter_noise, num_prototypes,
                 router_bias_update_rate, router_weights, num_shared_experts.
@@ -118,8 +132,9 @@ def convert_to_moe(
     Returns:
         The MoE model, in the mode (train/eval) the dense model was in.
 
-    Exactness: upcycling with the defaults (renormalised top-k weights, no noise) and splitting with every expert
-    chosen (top_k == num_experts, unit weights) reproduce the dense model's logits up to fp32 rounding. The
+    Exactness: upcycling with the defaults (renormalised top-k weights, no noise), adapter experts (zero B), and
+    splitting with every expert chosen (top_k == num_experts, unit weights) reproduce the dense model's logits up to
+    fp32 rounding. The
     difference measured on a random probe is stored in `config.moe_conversion`.
     """
     opts = resolve_options(num_experts, top_k, method, layers, options)
@@ -157,7 +172,11 @@ def convert_to_moe(
     for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False):
         layer_acts = activations.pop(i) if activations is not None else None
         blocks[i] = convert_block(method, mlps.pop(i), config, opts, layer_acts, generator)
+    dense_dtype = model.dtype
     moe = MoEPreTrainedModel.from_dense(model, config, blocks)
+    if method in ADAPTER_METHODS:  # only the routers and adapters train; the checkpoint refers to the base
+        freeze_base(moe)
+        config.adapter_experts["base_model"] = base_reference(moe, source, dense_dtype)
 
     if dense_logits is not None:
         moe_logits = _logits(moe, probe)
@@ -189,6 +208,7 @@ def resolve_options(num_experts, top_k, method: str, layers, options: dict) -> d
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise ValueError(f"seed must be an int from 0 to 2**64 - 1 (torch's seed range), got {_brief(seed)}.")
     _check_method_options(method, options, opts)
+    check_adapter_options(method, options, opts)
     if layers is not None and opts["every"] is not None:
         raise ValueError("Pass either `layers` or `every`, not both.")
     _dtype(opts["dtype"])
@@ -225,6 +245,7 @@ def moe_config(
         decoder_layers_path=layers_path,
         moe_block_path=spec.block_path,
         moe_bypassed_paths=list(spec.bypassed_paths),
+        adapter_experts=adapter_spec(method, opts, first.glu) if method in ADAPTER_METHODS else None,
         moe_conversion={
             "method": method,
             "base_model": source,
@@ -248,6 +269,8 @@ def convert_block(
     a conversion to be reproducible (streamed or not). `materialize=False`: see `assemble_block`."""
     if method == "split":
         return split_block(mlp, config, opts["partition"], activations, generator=generator)
+    if method in ADAPTER_METHODS:
+        return adapter_block(mlp, config, generator)
     return upcycle_block(
         mlp, config, noise=opts["noise"], reinit_fraction=opts["reinit_fraction"], generator=generator,
         materialize=materialize,
@@ -255,6 +278,8 @@ def convert_block(
 
 
 def progress_text(method: str, num_layers: int, num_experts: int) -> str:
+    if method in ADAPTER_METHODS:
+        return f"Adding {num_experts} {dict(lora='LoRA', pesc='PESC')[method]} adapter experts to {num_layers} MLPs"
     verb = {"upcycle": "Upcycling", "split": "Splitting", "merge": "Merging"}[method]
     return f"{verb} {num_layers} MLPs into {num_experts} experts"
 
@@ -269,7 +294,8 @@ def _check_counts(num_experts, top_k) -> None:
 def _check_method_options(method: str, given: dict, opts: dict) -> None:
     """Options of the other method are an error, not silently ignored."""
     for other, names in METHOD_OPTIONS.items():
-        misplaced = [n for n in names if other != method and n in given and given[n] != OPTIONS[n]]
+        own = METHOD_OPTIONS.get(method, ())
+        misplaced = [n for n in names if other != method and n not in own and n in given and given[n] != OPTIONS[n]]
         if misplaced:
             raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
     for name, high, expected in (("reinit_fraction", 1.0, "between 0 and 1"), ("noise", math.inf, ">= 0 and finite")):
@@ -304,6 +330,8 @@ def _expert_sizes(method: str, mlp: DenseMLP, num_experts: int, num_shared: int)
     size = mlp.intermediate_size
     if method == "merge":  # every expert is a whole source MLP, and so is a shared expert (convert/merge.py)
         return {"moe_intermediate_size": size, "shared_expert_intermediate_size": size if num_shared else None}
+    if method in ADAPTER_METHODS:  # every expert is the whole MLP (frozen) plus its adapter
+        return {"moe_intermediate_size": size, "shared_expert_intermediate_size": None}
     if method == "upcycle":
         slice_size = size // (num_shared + 1)
         if num_shared and slice_size < 1:

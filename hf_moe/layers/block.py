@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .adapter_experts import AdapterExperts
 from .experts import Experts
 from .router import build_router
 
@@ -54,7 +55,9 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.gate = build_router(config)
-        self.experts = Experts(config, expert_range)
+        # (adapter experts: a frozen MLP shared by all plus per-expert adapters, layers/adapter_experts.py)
+        experts_class = AdapterExperts if getattr(config, "adapter_experts", None) else Experts
+        self.experts = experts_class(config, expert_range)
         self.shared_experts = SharedExperts(config) if config.num_shared_experts else None
         gated = self.shared_experts is not None and getattr(config, "shared_expert_gate", False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None  # [1, H]
