@@ -34,8 +34,6 @@ from pathlib import Path
 
 import torch
 
-from .build_cache import cache_root
-
 logger = logging.getLogger("hf_moe")
 
 _HERE = Path(__file__).resolve()
@@ -62,6 +60,8 @@ def backend_setting() -> str:
 
 
 def _cache_dir() -> Path:
+    from .build_cache import cache_root  # here, not above: setup.py runs this file alone, for the source lists
+
     return cache_root() / "ext"
 
 
