@@ -194,14 +194,17 @@ SMOKE = Sizes(layers=2, hidden=32, heads=2, experts=8, expert_intermediate=16, c
               eval_every=3, eval_blocks=4, lr=2e-3, warmup=2, seeds=(0,))
 VOCAB = 256  # bytes
 
+# The balancing-loss weight of the published runs: 0.01 on the per-slot scale they ran with, which is 0.005 on
+# transformers' scale (k = 2 times larger) that hf_moe's loss has had since (issue 29).
+BALANCE = {"router_aux_loss_coef": 0.005}
 # name -> (top-k, expert size in units of I, MoEConfig fields). The router settings are convert_to_moe's defaults
 # for each router (hf_moe/convert/api.py ROUTER_DEFAULTS), except switch's norm_topk_prob (docs/converting.md).
 MOE = {
-    "topk": (2, 1, {"router_type": "topk"}),
+    "topk": (2, 1, {"router_type": "topk", **BALANCE}),
     "topk_noaux": (2, 1, {"router_type": "topk", "router_aux_loss_coef": 0.0}),
     "switch": (1, 2, {"router_type": "switch", "capacity_factor": 1.25, "eval_capacity_factor": 2.0,
                       "router_jitter_noise": 0.01, "norm_topk_prob": False}),
-    "prototype": (2, 1, {"router_type": "prototype", "num_prototypes": 2}),
+    "prototype": (2, 1, {"router_type": "prototype", "num_prototypes": 2, **BALANCE}),
     "expert_choice": (2, 1, {"router_type": "expert_choice"}),
     "aux_free": (2, 1, {"router_type": "aux_free", "router_aux_loss_coef": 0.0}),
 }
@@ -422,7 +425,7 @@ def upcycle(snapshot: dict, seed: int, data, s: Sizes) -> dict:
     half = s.steps // 2
     dense = LlamaForCausalLM(base_config(s))
     dense.load_state_dict(snapshot["model"])
-    moe = convert_to_moe(dense, num_experts=s.experts, top_k=s.top_k, seed=seed).train()
+    moe = convert_to_moe(dense, num_experts=s.experts, top_k=s.top_k, seed=seed, **BALANCE).train()
     optimizer = upcycled_optimizer(moe, snapshot["optimizer"], s)
     curve = {key: values[-1:] for key, values in snapshot["curve"].items()}  # the dense point at `half`
     assert curve["step"] == [half], curve["step"]

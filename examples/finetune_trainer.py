@@ -48,6 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--logging-steps", type=int, default=5)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--optim", default="adamw_torch",
+                   help="Trainer's optimizer name (TrainingArguments.optim). adafactor keeps factored second moments "
+                        "and no first moment: its states are a few MB where AdamW's are twice the fp32 weights")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the weights' dtype (default: the checkpoint's). bfloat16 halves them, but an update smaller "
+                        "than half a bf16 step is lost")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sequential", action="store_true", help="no shuffling (to compare runs batch for batch)")
@@ -99,6 +105,7 @@ def main(argv=None) -> dict:
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
+        optim=args.optim,
         lr_scheduler_type="constant",
         logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no",
@@ -114,7 +121,8 @@ def main(argv=None) -> dict:
     )
     _ = training_args.device  # sets up torch.distributed under accelerate launch / torchrun
     model = hf_moe.MoEForCausalLM.from_pretrained(
-        args.model, expert_parallel=args.expert_parallel, expert_parallel_size=args.expert_parallel_size
+        args.model, expert_parallel=args.expert_parallel, expert_parallel_size=args.expert_parallel_size,
+        **({} if args.dtype == "auto" else {"dtype": getattr(torch, args.dtype)}),
     )
     if args.gradient_checkpointing:
         enable_activation_checkpointing(model)  # (gradient_checkpointing_enable before transformers 5.23)

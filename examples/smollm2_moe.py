@@ -4,10 +4,13 @@
    and export it to a Hugging Face directory.
 2. Convert it with `hf-moe convert` to 8 experts, top-2, and ask the dense and the MoE model the same question:
    the answers must be the same.
-3. Fine-tune the MoE briefly with `transformers.Trainer` on a small local chat file (examples/finetune_trainer.py).
+3. Fine-tune the MoE briefly with `transformers.Trainer` on a small local chat file (examples/finetune_trainer.py),
+   with bf16 weights and Adafactor (see FINETUNE: under 6 GB where fp32 AdamW took 11.7 GB).
 4. It is saved per expert; reload it with `AutoModelForCausalLM` and generate.
 5. Serve it on the fast decode path (docs/serving-cpu.md): bf16 weights and `cache_implementation="static"`, which
    compiles the decode step once; prints decode tokens/s there and on the default path.
+
+At the end it prints the peak memory of each process (this one, `hf-moe convert`, the fine-tuning).
 
     python examples/smollm2_moe.py [--workdir smollm2-moe-work] [--max-steps 10]
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -30,6 +34,32 @@ import hf_moe  # noqa: F401  (registers the hf_moe model type with AutoModelForC
 HERE = os.path.dirname(os.path.abspath(__file__))
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
+# How step 3 fine-tunes, to keep the peak under 6 GB (it was 11.7 GB with fp32 AdamW; docs/tools.md has the
+# measurements, benchmarks/finetune_memory.py reproduces them). The MoE has 692M parameters: fp32 weights and
+# gradients alone are 5.5 GB, so the weights are bf16. AdamW's two moments would add 2.8 GB more (torch keeps them in
+# the weights' dtype); Adafactor keeps no first moment and a factored fp32 second moment (a row and a column per
+# matrix, a few MB), and computes each update in fp32. In bf16 an update smaller than half a bf16 step of its weight
+# is rounded away: Adafactor's update is about lr per element, and on SmolLM2's MLP weights (median |w| 0.12) 7% of
+# the updates land at lr 5e-5, 81% at 5e-4, so the rate is 5e-4 (Adafactor's usual fine-tuning rates are 1e-4 to 1e-3).
+FINETUNE = {"optim": "adafactor", "dtype": "bfloat16", "lr": "5e-4"}
+
+
+class PeakMemory:
+    """The peak resident memory of this process and of its child processes (the largest of those run so far, as
+    Linux reports it), and the step that reached each."""
+
+    def __init__(self):
+        self.peaks = {"this process": (0.0, ""), "child processes": (0.0, "")}
+
+    def record(self, step: str) -> None:
+        unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+        for name, who in (("this process", resource.RUSAGE_SELF), ("child processes", resource.RUSAGE_CHILDREN)):
+            gb = resource.getrusage(who).ru_maxrss * unit / 1e9
+            if gb > self.peaks[name][0]:
+                self.peaks[name] = (gb, step)
+
+    def summary(self) -> str:
+        return "; ".join(f"{name} {gb:.1f} GB (step {step})" for name, (gb, step) in self.peaks.items() if step)
 
 
 def step(title: str) -> float:
@@ -104,10 +134,14 @@ def main() -> None:
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=10)
+    p.add_argument("--optim", default=FINETUNE["optim"], help="Trainer's optimizer (%(default)s; see FINETUNE)")
+    p.add_argument("--dtype", default=FINETUNE["dtype"], help="the weights' dtype while fine-tuning (%(default)s)")
+    p.add_argument("--learning-rate", default=FINETUNE["lr"], help="(default: %(default)s)")
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.manual_seed(0)
     start = time.perf_counter()
+    memory = PeakMemory()
     dense_dir = os.path.join(args.workdir, "smollm2-135m-instruct")
     moe_dir = os.path.join(args.workdir, f"smollm2-moe-{args.num_experts}x-top{args.top_k}")
     ft_dir = os.path.join(args.workdir, "smollm2-moe-finetuned")
@@ -116,6 +150,7 @@ def main() -> None:
     if not os.path.isfile(os.path.join(dense_dir, "config.json")):
         export_gguf(fetch_gguf(args.workdir), dense_dir)
     print(f"exported to {dense_dir} ({time.perf_counter() - t:.0f}s)")
+    memory.record("1")
 
     t = step(f"2. hf-moe convert: {args.num_experts} experts, top-{args.top_k}")
     subprocess.run(["hf-moe", "convert", dense_dir, moe_dir, "--num-experts", str(args.num_experts),
@@ -131,22 +166,26 @@ def main() -> None:
     if moe_answer != dense_answer:
         sys.exit("error: the converted model answers differently from the dense model")
     print(f"same answer ({time.perf_counter() - t:.0f}s)")
+    memory.record("2")
 
     t = step(f"3. Fine-tune briefly with transformers.Trainer ({args.max_steps} steps, local chat data)")
     subprocess.run([sys.executable, os.path.join(HERE, "finetune_trainer.py"), "--model", moe_dir,
                     "--data", os.path.join(HERE, "data", "moe_chat.jsonl"), "--output-dir", ft_dir,
                     "--max-steps", str(args.max_steps), "--batch-size", "2", "--block-size", "64",
-                    "--learning-rate", "5e-5", "--logging-steps", "1"], check=True)
+                    "--learning-rate", args.learning_rate, "--logging-steps", "1", "--optim", args.optim,
+                    "--dtype", args.dtype], check=True)
     print(f"fine-tuned ({time.perf_counter() - t:.0f}s)")
+    memory.record("3")
 
     t = step("4. Saved per expert: reload with AutoModelForCausalLM and generate")
     subprocess.run(["hf-moe", "inspect", ft_dir], check=True)
-    model = AutoModelForCausalLM.from_pretrained(ft_dir).eval()
+    model = AutoModelForCausalLM.from_pretrained(ft_dir, dtype=torch.float32).eval()  # the default path: fp32
     print(f"loaded {type(model).__name__} (isinstance MoEForCausalLM: {isinstance(model, hf_moe.MoEForCausalLM)})")
     print(f"Q: {QUESTION}\n  fine-tuned MoE: {answer(model, tokenizer)}")
     default_speed = decode_speed(model, tokenizer)
     del model
     print(f"({time.perf_counter() - t:.0f}s)")
+    memory.record("4")
 
     t = step("5. Serve it on the fast decode path: bf16 weights (docs/serving-cpu.md)")
     model = AutoModelForCausalLM.from_pretrained(ft_dir, dtype=torch.bfloat16).eval()
@@ -154,7 +193,9 @@ def main() -> None:
     fast_speed = decode_speed(model, tokenizer)
     print(f"decode: {fast_speed:.1f} tok/s on the fast path (bf16); {default_speed:.1f} tok/s on the default path "
           f"(fp32), {torch.get_num_threads()} threads ({time.perf_counter() - t:.0f}s)")
-    print(f"\nDone in {time.perf_counter() - start:.0f}s. Outputs in {args.workdir}/")
+    memory.record("5")
+    print(f"\nPeak memory: {memory.summary()}")
+    print(f"Done in {time.perf_counter() - start:.0f}s. Outputs in {args.workdir}/")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class MoEConfig(PreTrainedConfig):
         norm_topk_prob (`bool`): renormalise the top-k router probabilities so they sum to one. With upcycled
             experts this makes the MoE reproduce the dense model.
         router_aux_loss_coef (`float`): weight of the Switch load-balancing loss added to the LM loss in training.
+            The loss is on transformers' scale (k when routing is uniform), so TRL's trainers weigh it the same.
         output_router_logits (`bool`): return each MoE layer's router logits in the model output.
         moe_layers (`list[int]`): indices of the decoder layers whose MLP is an MoE block.
         moe_intermediate_size (`int`): intermediate size of each expert.

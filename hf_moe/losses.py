@@ -17,16 +17,19 @@ def load_balancing_loss(
     num_experts: int,
     token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Switch Transformer load-balancing loss of one MoE layer.
+    """Switch Transformer load-balancing loss of one MoE layer, on transformers' scale.
 
-    With f_e the fraction of the (token, slot) choices that went to expert e, and P_e the mean router probability
-    of expert e over the tokens:
+    With f_e the fraction of the tokens that chose expert e among their k choices (so sum_e f_e = k), and P_e the
+    mean router probability of expert e over the tokens:
 
         loss = E * sum_e f_e * P_e
 
-    It is 1.0 when routing is uniform, whatever k. (transformers' `load_balancing_loss_func` counts choices per
-    token rather than per slot, so its value is k times this one.) The choices are the router's, before capacity
-    drops: the loss pushes toward the balance that would avoid them.
+    It is k when routing is uniform (1 for top-1, as in Switch). This is the scale of transformers'
+    `load_balancing_loss_func` (Mixtral's, which TRL's trainers compute from the backbone's `router_logits`), so a
+    `router_aux_loss_coef` weighs the balancing loss the same under `transformers.Trainer`, TRL's SFT, DPO and GRPO
+    trainers and a plain loop. (transformers pools the router logits of all layers before taking the product;
+    the model averages the layers' losses, so that each layer is balanced on its own routing.) The choices are the
+    router's, before capacity drops: the loss pushes toward the balance that would avoid them.
 
     Args:
         router_probs: [N, E] routing distribution (any float dtype; upcast to fp32).
@@ -43,7 +46,7 @@ def load_balancing_loss(
     counts = torch.zeros(num_experts, device=probs.device, dtype=torch.float32)
     counts.scatter_add_(0, flat.clamp(0, num_experts - 1), weight.repeat_interleave(k) * valid)
     num_tokens = weight.sum().clamp_min(1.0)
-    fraction = counts / (num_tokens * k)  # f_e; no gradient: it comes from an argmax
+    fraction = counts / num_tokens  # f_e; no gradient: it comes from an argmax
     mean_prob = (probs * weight.unsqueeze(-1)).sum(0) / num_tokens  # P_e
     return num_experts * torch.dot(fraction, mean_prob)
 

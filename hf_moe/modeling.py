@@ -46,6 +46,7 @@ from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .generation import prepare_generate_kwargs
 from .layers import SparseMoeBlock
 from .layers.adapter_experts import AdapterExperts
+from .layers.quantized import int8_expert_targets, int8_lora_message
 from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
 from .offload import load_offloaded
@@ -337,6 +338,30 @@ class MoEPreTrainedModel(PreTrainedModel):
                     "`gradient_checkpointing_enable()` (use_reentrant=False).",
                     stacklevel=4,
                 )
+
+    @property
+    def peft_config(self) -> dict:
+        """The PEFT adapters' configs by name. PEFT sets it on the model it adapts once it has matched its targets
+        (`model.peft_config = ...`); as a property, this model checks them then. A LoRA whose `target_parameters`
+        name int8 experts (`hf_moe.quantize_experts`), which PEFT skips with only a warning when other targets
+        matched, is refused with what to target instead. (With no other target, PEFT raises its own
+        "no `target_parameters` found" before this; docs/tools.md explains both.)"""
+        try:
+            return self.__dict__["_peft_config"]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no PEFT adapter (peft_config)") from None
+
+    @peft_config.setter
+    def peft_config(self, configs: dict) -> None:
+        for config in configs.values():
+            targets = int8_expert_targets(self, getattr(config, "target_parameters", None))
+            if targets:
+                raise ValueError(int8_lora_message(targets))
+        self.__dict__["_peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self) -> None:
+        self.__dict__.pop("_peft_config", None)
 
     @property
     def routing_stats(self) -> RoutingStats:

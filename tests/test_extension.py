@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hf_moe.ops import backend_report, load_extension
-from hf_moe.ops.extension import CPU_SOURCES, CSRC, source_hash
+from hf_moe.ops.build_cache import NoBuildCache, cache_root
+from hf_moe.ops.extension import BUILT, CPU_SOURCES, CSRC, build_estimate, source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,8 @@ def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
     load_extension()  # the current build, to copy (so the test does not compile)
     built = _cache_dir() / source_hash()
     cache = tmp_path / "cache"
-    shutil.copytree(built, cache / "ext" / built.name, ignore=shutil.ignore_patterns("lock", "*.lock"))
+    # (without the mark of a finished build: a killed build never wrote it)
+    shutil.copytree(built, cache / "ext" / built.name, ignore=shutil.ignore_patterns("lock", "*.lock", BUILT))
     (cache / "ext" / built.name / "lock").touch()  # as a killed build leaves it
     env = {**os.environ, "HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"}
     result = subprocess.run(
@@ -122,3 +124,124 @@ def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "left by a build of the extension that was killed" in result.stderr
     assert not (cache / "ext" / built.name / "lock").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One build per user and machine (issue 29): where it lives, and a finished build reused as it is
+# --------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def finished_build(tmp_path) -> Path:
+    """A copy of this machine's finished build of the current sources, to reuse without compiling."""
+    import shutil
+
+    from hf_moe.ops.extension import _cache_dir
+
+    module, status = load_extension()
+    built = _cache_dir() / source_hash()
+    if module is None or not (built / BUILT).is_file():
+        pytest.skip(f"no finished build in the cache to copy ({status.how})")
+    copy = tmp_path / "finished" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "*.lock"))
+    return copy
+
+
+def _no_home_env(tmp_path: Path) -> dict:
+    """A service user's environment: $HOME cannot hold a cache (under a file: even root cannot write there), no
+    $HF_MOE_CACHE or $XDG_CACHE_HOME, and a temp dir of the test's own."""
+    (tmp_path / "not-a-dir").write_text("")
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {"HOME": str(tmp_path / "not-a-dir" / "home"), "TMPDIR": str(tmp_path / "tmp"), "HF_MOE_CACHE": "",
+            "XDG_CACHE_HOME": ""}
+
+
+_LOAD = "from hf_moe.ops import load_extension; print(load_extension()[1].how)"
+
+
+def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finished_build):
+    """A service user whose $HOME is not writable rebuilt the extension in every process (about 4 minutes each on 2
+    cores). The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
+    finished build put there, which two processes load without compiling (no compiler, no ninja)."""
+    import shutil
+
+    env = _no_home_env(tmp_path)
+    private = tmp_path / "tmp" / f"hf_moe-{os.getuid()}"
+    where = _run(env, "from hf_moe.ops.build_cache import cache_root; print(cache_root())")
+    assert where.returncode == 0, where.stderr
+    assert where.stdout.strip() == str(private) and (private.stat().st_mode & 0o777) == 0o700
+    shutil.copytree(finished_build, private / "ext" / finished_build.name)
+    no_tools = {**env, "HF_MOE_BACKEND": "compiled", "CXX": "/bin/false", "PATH": os.path.dirname(sys.executable)}
+    for _ in range(2):
+        result = _run(no_tools, _LOAD)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == f"built in {private / 'ext' / finished_build.name}"
+        assert "compiling" not in result.stderr
+
+
+def test_a_finished_build_runs_no_ninja(tmp_path, finished_build):
+    """torch's loader runs ninja in every new process; another ninja on PATH (a venv's against the system's) or
+    another checkout of the same sources then rebuilt everything. A finished build is now imported as it is."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    shutil.copytree(finished_build, cache / "ext" / finished_build.name)
+    (tmp_path / "bin").mkdir()
+    ninja = tmp_path / "bin" / "ninja"
+    ninja.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ninja-ran'}\nexit 1\n")
+    ninja.chmod(0o755)
+    env = {"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled",
+           "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = _run(env, _LOAD)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"built in {cache / 'ext' / finished_build.name}"
+    assert not (tmp_path / "ninja-ran").exists()
+
+
+def test_the_shared_temp_dir_is_used_only_when_private(tmp_path, monkeypatch):
+    """<temp dir>/hf_moe-<uid> is shared ground: a directory someone else made there (open to others, a link, or
+    another user's) could hold a planted library. It is used only when it is this user's alone."""
+    import tempfile
+
+    for name, value in _no_home_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    private = tmp_path / "tmp" / f"hf_moe-{os.getuid()}"
+    private.mkdir(mode=0o700)
+    assert cache_root() == private
+    private.chmod(0o777)
+    with pytest.raises(NoBuildCache, match="open to other users .mode 777; it must be 700"):
+        cache_root()
+    private.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    private.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(NoBuildCache, match="is not a directory .a link"):
+        cache_root()
+    private.unlink()
+    if os.getuid() == 0:  # only root can give a directory away
+        private.mkdir(mode=0o700)
+        os.chown(private, 65534, 65534)
+        with pytest.raises(NoBuildCache, match="belongs to another user"):
+            cache_root()
+    monkeypatch.setenv("HF_MOE_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+
+
+def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(tmp_path):
+    """No usable cache (no $HOME, an unsafe temp dir): one warning naming HF_MOE_CACHE, and the pure-torch ops, not
+    a build in every process."""
+    env = _no_home_env(tmp_path)
+    (tmp_path / "tmp" / f"hf_moe-{os.getuid()}").mkdir(mode=0o777)
+    os.chmod(tmp_path / "tmp" / f"hf_moe-{os.getuid()}", 0o777)
+    result = _run(env)
+    assert result.returncode == 0, result.stderr
+    assert "backend: torch" in result.stdout and "set HF_MOE_CACHE to a writable directory" in result.stderr
+    assert "compiling" not in result.stderr
+
+
+def test_the_first_build_says_how_long_it_will_take(tmp_path):
+    """One line at the first build says how long it will take: the last build on this machine, else the compiles'
+    measured CPU time over the cores ninja gets."""
+    ext = tmp_path / "ext"
+    (ext / "abc").mkdir(parents=True)
+    assert build_estimate(ext).startswith("about ") and "idle core" in build_estimate(ext)
+    (ext / "abc" / BUILT).write_text("250\n")
+    assert build_estimate(ext) == "about 4 minutes, as the last build here took"

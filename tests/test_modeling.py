@@ -158,7 +158,7 @@ def test_aux_loss_matches_definition_and_ignores_padding():
     for logits in out.router_logits:
         probs = logits.softmax(-1)[keep]
         top = probs.topk(2, dim=-1).indices
-        fraction = torch.bincount(top.reshape(-1), minlength=4).float() / top.numel()
+        fraction = torch.bincount(top.reshape(-1), minlength=4).float() / top.shape[0]  # per token: sums to k
         expected.append(4 * (fraction * probs.mean(0)).sum())
     torch.testing.assert_close(out.aux_loss, torch.stack(expected).mean())
 
@@ -191,17 +191,26 @@ def test_aux_loss_weight_follows_num_items_in_batch():
 
 
 def test_loss_function_unit_cases():
-    # Uniform routing over E experts balances perfectly: loss 1.
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    # Uniform routing over E experts balances perfectly: loss k, transformers' scale (Mixtral's
+    # load_balancing_loss_func gives the same, so TRL's trainers weigh it as Trainer does).
     probs = torch.full((8, 4), 0.25)
     index = torch.tensor([[0, 1], [2, 3]] * 4)
-    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(1.0))
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(2.0))
+    logits = torch.randn(8, 4)
+    torch.testing.assert_close(
+        load_balancing_loss(logits.softmax(-1), logits.topk(2).indices, 4), load_balancing_loss_func((logits,), 4, 2)
+    )
     # Everything on expert 0 with all probability there: loss E.
     probs = torch.tensor([[1.0, 0, 0, 0]]).expand(8, 4)
     index = torch.zeros(8, 1, dtype=torch.long)
     torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(4.0))
     # Slots a router chose not to send (-1) count for nothing.
     index = torch.tensor([[0, -1]] * 8)
-    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(2.0))
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(4.0))
+    index = torch.tensor([[0, 1]] * 8)
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(4.0))
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

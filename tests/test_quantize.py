@@ -180,6 +180,25 @@ def test_lora_on_attention_trains_through_int8_experts():
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-6)
 
 
+def test_lora_on_int8_experts_is_refused_with_what_to_target_instead():
+    """int8 experts are frozen buffers: PEFT's `target_parameters` cannot reach them. With other targets PEFT only
+    warned that no parameter matched, and trained an adapter without the experts the user asked for: the model refuses
+    it when PEFT hands it the config, saying why and what to target. Without other targets PEFT raises its own error
+    first (docs/tools.md); printing the model says it too."""
+    peft = pytest.importorskip("peft")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], target_parameters=experts)
+    with pytest.raises(ValueError, match=r"int8 experts.*frozen buffers, not parameters.*target_modules"):
+        peft.get_peft_model(quantize_experts(_moe(), "int8"), config)
+    assert "frozen buffers, not LoRA targets" in repr(_quantized(quantize_experts(_moe(), "int8"))[0])
+    # The same config on the floating-point model, and attention alone on the int8 model, are accepted.
+    assert set(peft.get_peft_model(_moe(), config).peft_config["default"].target_parameters) == set(experts)
+    model = quantize_experts(_moe(), "int8")
+    assert not hasattr(model, "peft_config")  # as for any model without an adapter
+    peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert model.peft_config["default"].target_modules == {"q_proj"}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Saved and loaded per expert, with checksums
 # ----------------------------------------------------------------------------------------------------------------

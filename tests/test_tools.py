@@ -10,6 +10,7 @@ table the summary of that.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -128,6 +129,64 @@ def test_trl_sft_trainer_trains_with_the_aux_loss(tmp_path):
     reloaded = MoEForCausalLM.from_pretrained(tmp_path / "final").state_dict()
     trained = moe.state_dict()
     assert reloaded.keys() == trained.keys() and all(torch.equal(reloaded[k], trained[k]) for k in trained)
+
+
+def _trl_trainer(kind: str, model, output_dir):
+    """TRL's SFT, DPO or GRPO trainer for one step, with TRL's defaults otherwise (see `_sft_config`)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTTrainer
+
+    common = dict(use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True, max_steps=1, logging_steps=1)
+    pieces = [CORPUS[i : i + 20] for i in range(0, 160, 20)]
+    if kind == "sft":
+        return SFTTrainer(model=model, args=_sft_config(output_dir, max_steps=1), train_dataset=_text_dataset(),
+                          processing_class=tiny_tokenizer())
+    if kind == "dpo":
+        pairs = Dataset.from_dict({"prompt": pieces, "chosen": pieces[1:] + pieces[:1], "rejected": pieces[::-1]})
+        return DPOTrainer(model=model, ref_model=copy.deepcopy(model), train_dataset=pairs,
+                          args=DPOConfig(str(output_dir), per_device_train_batch_size=2, **common),
+                          processing_class=tiny_tokenizer())
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    return GRPOTrainer(model=model, reward_funcs=reward, train_dataset=Dataset.from_dict({"prompt": pieces}),
+                       args=GRPOConfig(str(output_dir), per_device_train_batch_size=4, num_generations=2,
+                                       max_completion_length=8, **common),
+                       processing_class=tiny_tokenizer())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_trl_trainers_weigh_the_balancing_loss_as_trainer_does(kind, tmp_path):
+    """TRL's SFT, DPO and GRPO trainers add `router_aux_loss_coef` x transformers' `load_balancing_loss_func` of the
+    backbone's router logits (their fused LM head); `transformers.Trainer` adds the same coefficient x the head's own
+    `aux_loss`. The two are on one scale (it was k times hf_moe's), so one coefficient gives one weight. Compared on
+    every forward of a real training step, against the model's own forward on the same inputs. One MoE layer: with
+    several, transformers pools the layers' router logits where hf_moe averages the layers' losses (docs/tools.md)."""
+    pytest.importorskip("trl")
+    torch.manual_seed(0)
+    moe = convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, layers=[1])
+    trainer = _trl_trainer(kind, moe, tmp_path / kind)
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == moe.config.router_aux_loss_coef == 0.01
+
+    compared = []
+
+    def compare(module, args, kwargs, output):
+        if not kwargs.get("fused_lm_head") or output.aux_loss is None:
+            return  # the model's own forward (below), or a forward without the balancing loss
+        inputs = {k: kwargs[k] for k in ("input_ids", "attention_mask") if kwargs.get(k) is not None}
+        with torch.no_grad():
+            own = module(**inputs, output_router_logits=True, use_cache=False).aux_loss
+        compared.append((output.aux_loss.detach().float(), own.float()))
+
+    moe.register_forward_hook(compare, with_kwargs=True)
+    trainer.train()
+    assert compared and all(trl > 1.5 for trl, _ in compared)  # near k = 2 for a near-uniform top-2 routing
+    for trl, own in compared:
+        torch.testing.assert_close(trl, own, rtol=1e-5, atol=0)
+    logged = [log["aux_loss"] for log in trainer.state.log_history if "aux_loss" in log]
+    assert logged and logged[0] > 1.5
 
 
 def test_trl_changes_the_same_config_fields_as_on_mixtral(tmp_path):

@@ -90,7 +90,9 @@ def test_accelerate_loop_trains():
 
 
 @pytest.mark.slow
-def test_finetune_example_runs_and_saves_a_loadable_model(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--optim", "adafactor", "--dtype", "bfloat16"]], ids=["default", "quickstart"])
+def test_finetune_example_runs_and_saves_a_loadable_model(extra, tmp_path):
+    """Trainer's defaults, and the quickstart's settings (bf16 weights, Adafactor: examples/smollm2_moe.py)."""
     tokenizer = tiny_tokenizer()
     moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2)
     moe.save_pretrained(tmp_path / "moe")
@@ -105,12 +107,13 @@ def test_finetune_example_runs_and_saves_a_loadable_model(tmp_path):
     result = finetune_trainer.main([
         "--model", str(tmp_path / "moe"), "--data", str(tmp_path / "data.txt"), "--output-dir", str(out),
         "--max-steps", "12", "--block-size", "32", "--batch-size", "4", "--learning-rate", "3e-3",
-        "--logging-steps", "3",
+        "--logging-steps", "3", *extra,
     ])
     losses = [loss for _, loss in result["losses"]]
     assert losses[-1] < losses[0]
     assert json.loads((out / "loss_curve.json").read_text())[0][0] == 3
     reloaded = MoEForCausalLM.from_pretrained(out)
+    assert reloaded.dtype == (torch.bfloat16 if extra else torch.float32)
     assert (out / "tokenizer.json").is_file() and (out / "model-expert-00000.safetensors").is_file()
     ids = tokenizer("the quick", return_tensors="pt")["input_ids"]
     assert reloaded.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ..layers.quantized import QuantizedExperts
 from .adapters import DenseMLP, MLPSpec, extract_mlp, find_decoder_layers, find_mlp
 
 # LoraConfig fields whose adapters are not `W + scaling * B @ A` on each target.
@@ -101,6 +102,11 @@ def convert_adapter(
 
     config, weights = _read_adapter(adapter)
     _check_config(config)
+    if any(isinstance(module, QuantizedExperts) for module in moe_model.modules()):
+        raise AdapterConversionError(
+            "The MoE model has int8 experts (hf_moe.quantize_experts): frozen buffers, which a LoRA cannot adapt. "
+            "Convert the adapter onto the floating-point MoE model, merge it with merge_and_unload(), then quantize."
+        )
     plan = _Plan(moe_model, base_model)
     deltas, kept = plan.sort_weights(config, weights)
     if not deltas:

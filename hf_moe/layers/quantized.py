@@ -139,7 +139,28 @@ class QuantizedExperts(nn.Module):
         scales = "per channel" if self.group_size is None else f"groups of {self.group_size}"
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, {'glu' if self.has_gate else 'mlp'}, "
-                f"bias={self.has_bias}, int8 weights, fp32 scales {scales}")
+                f"bias={self.has_bias}, int8 weights (frozen buffers, not LoRA targets), fp32 scales {scales}")
+
+
+def int8_expert_targets(model: nn.Module, target_parameters) -> list[str]:
+    """The entries of a PEFT config's `target_parameters` (full names, or suffixes such as "mlp.experts.gate_up_proj",
+    as PEFT matches them) that name int8 expert weights of `model`. Those are buffers: PEFT finds no parameter there
+    and adapts nothing."""
+    names = [f"{prefix}.{name}" for prefix, module in model.named_modules() if isinstance(module, QuantizedExperts)
+             for name in WEIGHT_NAMES if getattr(module, name, None) is not None]
+    return sorted({t for t in target_parameters or () for n in names if n == t or n.endswith(f".{t}")})
+
+
+def int8_lora_message(targets: list[str]) -> str:
+    """Why a LoRA on int8 experts cannot be made, and what to do instead."""
+    return (
+        f"LoRA cannot adapt int8 experts: target_parameters {targets} name the int8 weights that "
+        "hf_moe.quantize_experts made, and those are frozen buffers, not parameters, so PEFT finds nothing to adapt "
+        "there. Target the layers that stayed in floating point instead (target_modules, e.g. [\"q_proj\", "
+        "\"k_proj\", \"v_proj\", \"o_proj\"], and the shared experts' projections if the model has them), or put "
+        "the LoRA on the experts of the unquantized model (target_parameters=[\"mlp.experts.gate_up_proj\", "
+        "\"mlp.experts.down_proj\"]), merge it with merge_and_unload() and quantize after."
+    )
 
 
 def check_group_size(group_size, hidden_dim: int, intermediate_dim: int) -> None:

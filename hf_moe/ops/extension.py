@@ -2,9 +2,12 @@
 
 Order of preference:
   1. `hf_moe._C`, built ahead of time by `HF_MOE_BUILD_EXT=1 pip install --no-build-isolation -e .`;
-  2. a build of csrc/ with `torch.utils.cpp_extension.load` (ninja), made on first use and cached in
-     `$HF_MOE_CACHE/ext/<hash>` (default ~/.cache/hf_moe); the hash covers the sources, Python, and the torch
-     install (its path and binaries, not only its version: two venvs with one torch version keep two builds);
+  2. a build of csrc/ with `torch.utils.cpp_extension.load` (ninja), made on first use, once per user and machine,
+     in `<cache>/ext/<hash>` (<cache>: $HF_MOE_CACHE, else $XDG_CACHE_HOME/hf_moe, ~/.cache/hf_moe, or a per-user
+     directory in the temp dir: see build_cache.py); the hash covers the sources, Python, and the torch install
+     (its path and binaries, not only its version: two venvs with one torch version keep two builds). A finished
+     build is imported as it is, without running ninja again: neither another `ninja` on PATH nor another copy of
+     the same sources (another checkout) rebuilds it;
   3. nothing: the pure-torch ops run, after one warning that says why.
 
 `HF_MOE_BACKEND=torch` skips 1 and 2; `HF_MOE_BACKEND=compiled` makes a failure an error.
@@ -57,7 +60,9 @@ def backend_setting() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("HF_MOE_CACHE", Path.home() / ".cache" / "hf_moe")) / "ext"
+    from .build_cache import cache_root  # here, not above: setup.py runs this file alone, for the source lists
+
+    return cache_root() / "ext"
 
 
 def torch_install_key(torch_dir: str | os.PathLike | None = None) -> str:
@@ -85,27 +90,77 @@ def source_hash(torch_dir: str | os.PathLike | None = None) -> str:
 
 
 def build(verbose: bool = False):
-    """Compile csrc/ with ninja into the cache (or reuse a previous build) and import it."""
+    """Import the finished build of csrc/ from the cache, or compile it there with ninja first."""
     from torch.utils.cpp_extension import load
 
     sources = [str(CSRC / s) for s in CPU_SOURCES]
     digest = source_hash()
+    name = f"hf_moe_ext_{digest}"
     build_dir = _cache_dir() / digest
     build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
     with _exclusive(build_dir):
-        fresh = not (build_dir / f"hf_moe_ext_{digest}.so").exists()
-        what = f"the C++ extension ({len(sources)} files)"
-        with _elapsed(f"hf_moe: compiling {what}, once for this torch; HF_MOE_BACKEND=torch skips it", enabled=fresh):
-            module = load(
-                name=f"hf_moe_ext_{digest}",
-                sources=sources,
-                build_directory=str(build_dir),
-                extra_cflags=CXX_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                with_cuda=False,
-                verbose=verbose,
-            )
+        if (build_dir / BUILT).is_file() and library.is_file():
+            return _import_library(name, library), f"built in {build_dir}"
+        estimate = build_estimate(build_dir.parent)
+        start = time.monotonic()
+        message = (f"hf_moe: compiling the C++ extension into {build_dir}, once per user and machine: {estimate} "
+                   "(HF_MOE_BACKEND=torch skips it)")
+        with _elapsed(message):
+            module = load(name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CXX_FLAGS,
+                          extra_ldflags=["-fopenmp"], with_cuda=False, verbose=verbose)
+        _write_atomically(build_dir / BUILT, f"{time.monotonic() - start:.0f}\n")
     return module, f"built in {build_dir}"
+
+
+# Written in a build directory once its library is complete; holds the seconds the build took.
+BUILT = "hf_moe-build.done"
+# CPU seconds (user + sys) of each compile, g++ 12 -O3 on one core of the 2-core machine of issue 29, and of the link.
+COMPILE_CPU_S = {"ops.cpp": 27, "cpu/dispatch_cpu.cpp": 10, "cpu/experts_cpu.cpp": 11, "cpu/fused_cpu.cpp": 13,
+                 "cpu/serve_cpu.cpp": 12, "cpu/serve_kernels.cpp": 12}
+LINK_S = 2
+
+
+def build_estimate(ext_dir: Path) -> str:
+    """How long a build will take, in words: what the last build on this machine took (another hash's, in
+    `ext_dir`), else the compiles' CPU time spread over the cores ninja can use, stretched by the machine's load (a
+    build took 45 s on 2 idle cores, and 240 to 370 s at a load of 10 to 12)."""
+    done = sorted((p.stat().st_mtime, p) for p in ext_dir.glob(f"*/{BUILT}"))
+    for _, path in reversed(done):
+        try:
+            seconds = float(path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        return f"about {_minutes(seconds)}, as the last build here took"
+    cores = int(os.environ.get("MAX_JOBS") or 0) or _usable_cores()  # torch passes MAX_JOBS to ninja as -j
+    idle = max(max(COMPILE_CPU_S.values()), sum(COMPILE_CPU_S.values()) / min(cores, len(COMPILE_CPU_S))) + LINK_S
+    text = f"about {_minutes(idle)} on {cores} idle core{'s' if cores > 1 else ''}"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load >= cores / 2:
+        text += f", about {_minutes(idle * (load + cores) / cores)} at this machine's load ({load:.0f})"
+    return text
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+
+
+def _import_library(name: str, path: Path):
+    """Import a built extension module from its file (as torch's loader does once ninja is done)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 @contextlib.contextmanager
@@ -135,8 +190,8 @@ def _exclusive(build_dir: Path):
 
 @contextlib.contextmanager
 def _elapsed(message: str, enabled: bool = True):
-    """Say what is being done and, on a terminal, how long it has taken so far (a compile has no honest ETA: ninja
-    does not say how far it is); then how long it took."""
+    """Say what is being done and, on a terminal, how long it has taken so far (ninja does not say how far it is);
+    then how long it took."""
     if not enabled:
         yield
         return
