@@ -26,19 +26,44 @@ What is compiled, and when (measured in benchmarks/serve_cpu.py; the tests are t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import CompileConfig, GenerationConfig
 
 from .compat import compile_on_every_device
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
 STATIC = "static"
+# Inductor's options for the decode step (measured in benchmarks/serve_cpu.py, docs/serving-cpu.md): the C++
+# wrapper runs the step's kernels from one C++ function, without Python between them.
+DECODE_OPTIONS = {"cpp_wrapper": True}
 
 
-def decode_compile_config() -> CompileConfig:
-    """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor, and
-    compiled on CPU too. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not
-    exist on CPU."""
-    config = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default")
+@dataclass
+class DecodeCompileConfig(CompileConfig):
+    """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
+    where its architecture allows, compiled with the same settings. transformers' own models ignore it."""
+
+    fused: bool = True
+
+    def to_dict(self) -> dict:
+        """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
+        config = super().to_dict()
+        config.pop("fused", None)
+        if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
+            config.pop("mode", None)
+        else:
+            config["options"] = None
+        return config
+
+
+def decode_compile_config(fused: bool = True, options: dict | None = None) -> DecodeCompileConfig:
+    """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
+    `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
+    `fused=False`. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
+    on CPU."""
+    config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
+                                 options=dict(DECODE_OPTIONS if options is None else options), fused=fused)
     return compile_on_every_device(config)
 
 
@@ -47,11 +72,12 @@ def cache_length(needed: int) -> int:
     return max(MIN_CACHE_LEN, 1 << max(needed - 1, 0).bit_length())
 
 
-def fast_decode_kwargs(max_cache_len: int = MIN_CACHE_LEN) -> dict:
+def fast_decode_kwargs(max_cache_len: int = MIN_CACHE_LEN, **config) -> dict:
     """`generate` keyword arguments of the fast decode path, for any transformers model with a static cache
     (transformers' own Mixtral included). Calls that need more than `max_cache_len` positions grow the cache, and
-    compile again, as `prepare_generate_kwargs` explains."""
-    return {"cache_implementation": STATIC, "compile_config": decode_compile_config(), "max_cache_len": max_cache_len}
+    compile again, as `prepare_generate_kwargs` explains. `config`: `decode_compile_config`'s arguments."""
+    return {"cache_implementation": STATIC, "compile_config": decode_compile_config(**config),
+            "max_cache_len": max_cache_len}
 
 
 def _asks_for_static_cache(model, kwargs: dict) -> bool:
