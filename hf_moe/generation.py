@@ -12,11 +12,15 @@ works for hf_moe models because `MoEForCausalLM.generate` passes its keyword arg
 `prepare_generate_kwargs`. Any other model (transformers' own Mixtral, with `experts_implementation="hf_moe"` or
 not) gets the same path with `model.generate(**inputs, **fast_decode_kwargs())`.
 
-What is compiled, and when (measured in benchmarks/serve_cpu.py; the tests are tests/test_decode.py):
+What is compiled, and when (measured in benchmarks/serve_cpu.py and benchmarks/decode_profile.py; the tests are
+tests/test_decode.py):
 - only the one-token decode step (the prefill runs eagerly: its length changes with every prompt);
-- `fullgraph=True, dynamic=False`: the whole forward is one graph, specialised to the batch size and the length of
-  the static cache. The first call compiles (about a minute for a 30-layer model on 2 cores); later calls of the
-  same batch size reuse it while prompt + new tokens fit in the cache.
+- for an hf_moe model whose decoder layers are Llama's (Llama, Mistral, Qwen2, Qwen3 layers), hf_moe's fused decode
+  step (hf_moe.decode: the attention sub-block as one op); for any other model, transformers' forward;
+- `fullgraph=True, dynamic=False`: the whole step is one graph, specialised to the batch size and the length of
+  the static cache, compiled with inductor's C++ wrapper (`DECODE_OPTIONS`: its kernels called from one C++
+  function, no Python between them). The first call compiles (a minute or two for a 30-layer model on 2 cores);
+  later calls of the same batch size reuse it while prompt + new tokens fit in the cache.
 - The cache length is the call's need rounded up to a power of two, at least `MIN_CACHE_LEN`, and transformers keeps
   the longest length seen: a longer call compiles once more, for the next power of two, and shorter calls then
   reuse that graph. Over a process's life that is at most a handful of compilations (256, 512, 1024, ...).
