@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
 
-# The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends).
+# The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends). The
+# oldest are the lent GPU's image (scripts/test_oldest.sh; docs/backends.md): torch 2.11, triton 3.6, Python 3.12.
 TESTED = {
     "transformers": ("5.17.0", "5.24.0"),
-    "torch": ("2.13.0", "2.13.0"),
+    "torch": ("2.11.0", "2.13.0"),
+    "triton": ("3.6.0", "3.9.0"),
     "accelerate": ("1.15.0", "1.15.0"),
     "safetensors": ("0.8.0", "0.8.0"),
 }
@@ -164,6 +166,60 @@ def declare_sharded_at_load(model) -> None:
 # AutoModelForCausalLM.from_config calls.
 
 # --------------------------------------------------------------------------------------------------------------
+# triton (optional, imported on use): its interpreter with numpy 2.4 and newer
+# --------------------------------------------------------------------------------------------------------------
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor) of a version string ("3.6.0+git..." -> (3, 6))."""
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run hf_moe's kernels with the installed triton and numpy, or None.
+
+    numpy 2.4 refuses `int()` of an array with dimensions; triton's interpreter (before 3.7) converts a loop bound
+    held in a tensor that way, so every kernel loop with a run-time bound fails (triton-lang/triton#9171, fixed by
+    #9172). Read from the installed versions, without importing either."""
+    import importlib.metadata
+
+    try:
+        triton, numpy = importlib.metadata.version("triton"), importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if _release(triton) < (3, 7) and _release(numpy) >= (2, 4):
+        return (f"triton {triton}'s interpreter cannot run kernel loops with numpy {numpy} (numpy 2.4 refuses int() "
+                "of an array; triton-lang/triton#9171, fixed in triton 3.7): install numpy<2.4 (or triton>=3.7) to "
+                "run the kernels under TRITON_INTERPRET=1; on a GPU the kernels are compiled, and this does not matter")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# torch: the decomposition table, and DDP's parameters-to-ignore convention
+# --------------------------------------------------------------------------------------------------------------
+def register_decomposition(op, fn) -> None:
+    """Put `fn` in torch's decomposition table as the decomposition of `op` (an OpOverload):
+    `torch._decomp.register_decomposition`, private. `torch.onnx.export` decomposes every op found there before it
+    translates a program (torch 2.11 to 2.13: `create_onnx_friendly_decomposition_table` chains
+    `torch._decomp.decomposition_table`); FakeTensor computes an op's outputs with symbolic sizes from it."""
+    from torch._decomp import register_decomposition as register
+
+    register(op)(fn)
+
+
+def ddp_ignore_parameters(module, names) -> None:
+    """Keep the parameters `names` (fully qualified in `module`) out of DistributedDataParallel's buckets and its
+    broadcasts, added to those `module` already lists: DDP reads `module._ddp_params_and_buffers_to_ignore` at
+    construction, set through its private static helper `_set_params_and_buffers_to_ignore_for_model`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = sorted(set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(names))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # triton (optional, imported on use): compiling kernels for a GPU target without a GPU (hf_moe/ops/triton/aot.py)
 # --------------------------------------------------------------------------------------------------------------
 def TritonASTSource(kernel, signature, constexprs, attrs):  # noqa: N802
@@ -213,6 +269,7 @@ __all__ = [
     "cache_kwargs",
     "can_set_experts_implementation",
     "convert_file_size_to_int",
+    "ddp_ignore_parameters",
     "declare_sharded_at_load",
     "default_apply_gate",
     "enable_activation_checkpointing",
@@ -221,8 +278,10 @@ __all__ = [
     "output_cache",
     "register_output_recording",
     "register_checkpoint_conversion_mapping",
+    "register_decomposition",
     "remove_tied_weights_from_state_dict",
     "trainer_supports_sharded_models",
     "triton_cuobjdump",
+    "triton_interpreter_problem",
     "triton_kernel_params",
 ]

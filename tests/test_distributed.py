@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_moe.compat import trainer_supports_sharded_models
+
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
 
@@ -117,6 +119,15 @@ def test_ep_x_fsdp2_gradients_clipping_and_steps_equal_single_process(parallel_r
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_expert_parallelism_under_autocast_computes_as_one_process(parallel_runs):
+    """Under bf16 CPU autocast (fp32 weights, as Trainer(bf16=True)), EP 2's experts cast as the single-process path
+    does: the logits and loss of each process's micro-batch equal one process's exactly, the gradients to bf16's
+    precision. On ffb5e1a the dispatch bypassed the cast and ran the experts in fp32: the logits differed."""
+    _assert_passed(parallel_runs["two"], "under bf16 autocast the experts compute as on one process")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_expert_parallel_then_fully_shard_by_hand_is_correct(parallel_runs):
     """The user's recipe (hf_moe.expert_parallel, then fully_shard per layer and on the root with FSDP2's default
     mesh) gives single-process gradients; torch's clip refuses the two meshes with an error, Accelerate's (which
@@ -152,11 +163,11 @@ def test_elastic_resume_4_to_2_to_1(parallel_runs):
     (1e-5 relative; see tests/dist/parallel.py for why). MoETrainer's 2-process checkpoint resumes on 1 process."""
     _assert_passed(parallel_runs["four"], "elastic: steps 0-1 on 4 process(es)")
     _assert_passed(parallel_runs["two"], "elastic: steps 2-3 on 2 process(es)")
-    _assert_passed(
-        parallel_runs["one"],
-        "elastic resume 4 -> 2 -> 1: the loss curve equals the uninterrupted single-process run",
-        "MoETrainer: the 2-process checkpoint resumes on 1 process and continues the run",
-    )
+    _assert_passed(parallel_runs["one"], "elastic resume 4 -> 2 -> 1: the loss curve equals the uninterrupted "
+                   "single-process run")
+    if trainer_supports_sharded_models():
+        _assert_passed(parallel_runs["one"], "MoETrainer: the 2-process checkpoint resumes on 1 process and continues "
+                       "the run")
 
 
 @pytest.mark.distributed
@@ -165,7 +176,13 @@ def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
     """MoETrainer checkpoints a parallelized model with DCP and resumes exactly; the plain Trainer is correct with
     weight-only checkpoints and refuses optimizer checkpoints at construction; MoETrainer refuses half-sharded
     models and TrainingArguments that miss processes; Accelerate's FSDP2 code path (forced on CPU) gives
-    single-process gradients and a correct full-state save; Accelerate's DDP refuses DTensor parameters."""
+    single-process gradients and a correct full-state save (Accelerate's DDP: test_accelerate_ddp_...). With
+    transformers < 5.23 (the oldest supported, scripts/test_oldest.sh), whose Trainer would wrap a parallelized model
+    in DDP, MoETrainer refuses one, naming the upgrade (on ffb5e1a it blamed a missing hf_moe.parallelize)."""
+    if not trainer_supports_sharded_models():
+        _assert_passed(parallel_runs["trainer"], "MoETrainer refuses a parallelized model on transformers")
+        _assert_passed(parallel_runs["two"], "Accelerate's FSDP2 plugin (forced) on an expert_parallel model")
+        return
     _assert_passed(
         parallel_runs["trainer"],
         "MoETrainer on a parallelized model: DCP checkpoint, resume continues exactly",
@@ -176,7 +193,35 @@ def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
     _assert_passed(
         parallel_runs["two"],
         "Accelerate's FSDP2 plugin (forced) on an expert_parallel model",
-        "Accelerate's DDP refuses an expert_parallel model (DTensor parameters)",
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accelerate_ddp_loop_with_expert_parallelism(tmp_path):
+    """The plain Accelerate loop (tests/dist/accelerate_ddp.py): from_pretrained(expert_parallel=True), then
+    Accelerator(cpu=True).prepare(model, optimizer), DDP for the other parameters. On 2 processes (EP 2) and on 4
+    (EP 4, and EP 2 x "dp" 2): every gradient equals single-process's over two micro-batches (the first under
+    accelerator.no_sync), each process holds 1 / world of the experts between forward and backward,
+    accelerator.clip_grad_norm_ returns the single-process norm; save_state / load_state restore
+    every weight and AdamW state, and the 2-process state loads on 4 in both layouts. On ffb5e1a prepare dies in DDP's
+    first broadcast ("aten.cat.default got mixed torch.Tensor and DTensor")."""
+    two = torchrun("accelerate_ddp.py", 2, str(tmp_path)).stdout
+    _assert_passed(
+        two,
+        "every gradient equals single-process, accumulation included (world 2, EP 2;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 2, EP 2)",
+        "accelerator.save_state / load_state restore every expert and its AdamW state (world 2)",
+    )
+    four = torchrun("accelerate_ddp.py", 4, str(tmp_path)).stdout
+    _assert_passed(
+        four,
+        "every gradient equals single-process, accumulation included (world 4, EP 4;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 4, EP 4)",
+        "every gradient equals single-process, accumulation included (world 4, EP 2 x dp 2;",
+        "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 4, EP 2 x dp 2)",
+        "a save_state of 2 processes loads with EP 4 on 4",
+        "a save_state of 2 processes loads with EP 2 on 4",
     )
 
 

@@ -2,8 +2,9 @@
 experts_implementation="hf_moe", on every CPU backend, and onnxruntime on CPU against PyTorch at two sequence lengths.
 
 While torch.onnx.export traces, the experts run as standard ops (hf_moe/ops/dense.py: every expert on every token,
-weighted by the routing), so the graph holds no hf_moe custom op and no stable sort (`aten.sort.stable`, which the
-torch backend's dispatch uses and ONNX has no translation for)."""
+weighted by the routing), so the graph holds no hf_moe custom op and no stable sort (`aten.sort.stable`, which ONNX
+has no translation for). A program exported first (`torch.export`, as transformers' ONNX exporter does) holds hf_moe
+ops; torch.onnx.export decomposes them (hf_moe/ops/decompositions.py, tested op by op in test_decompositions.py)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,62 @@ def test_onnx_export_runs_in_onnxruntime(which, backend, tmp_path):
     diffs = [float(line.split("max diff ")[1]) for line in lines if line.startswith("length ")]
     assert len(diffs) == 2 and max(diffs) < 1e-4, done.stdout
     assert next(line for line in lines if line.startswith("domains:")) == "domains: ai.onnx", done.stdout
+
+
+def _onnxruntime_max_diff(path, model, lengths=(5, 11)) -> float:
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for length in lengths:
+        ids = torch.randint(3, 100, (1, length))
+        got = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+        with torch.no_grad():
+            worst = max(worst, float(np.abs(got - model(ids).numpy()).max()))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,which", [("compiled", "converted"), ("torch", "quantized")])
+def test_exported_program_converts_to_onnx(backend, which, tmp_path):
+    """torch.export first, then torch.onnx.export of the program, with a dynamic sequence length: onnxruntime matches
+    PyTorch. The program holds hf_moe ops: the compiled backend's whole layer (moe_experts_forward, or
+    moe_experts_infer where the CPU has its kernels), the torch backend's hf_moe_torch::grouped_mm and sort (and int8
+    weights dequantized in the graph). On ffb5e1a: "No ONNX function found" for the hf_moe ops, and for
+    aten.sort.stable."""
+    import torch
+    from conftest import logits_of_a_tiny_moe
+
+    from hf_moe.ops import use_backend
+
+    model = logits_of_a_tiny_moe(which)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    with use_backend(backend), torch.no_grad():
+        program = torch.export.export(model, (torch.randint(3, 100, (1, 7)),), dynamic_shapes=({1: seq},))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert any(t.startswith("hf_moe") for t in targets), targets  # what the conversion has to translate
+    onnx_program = torch.onnx.export(program, verbose=False)
+    onnx_program.save(tmp_path / "model.onnx")
+    assert {node.domain or "ai.onnx" for node in onnx_program.model_proto.graph.node} == {"ai.onnx"}
+    assert _onnxruntime_max_diff(tmp_path / "model.onnx", model) < 1e-4
+
+
+@pytest.mark.slow
+def test_transformers_onnx_exporter_on_hf_moe_experts(tmp_path):
+    """transformers' own ONNX exporter (`transformers.exporters.OnnxExporter`: torch.export, then torch.onnx.export of
+    the program) on Mixtral with experts_implementation="hf_moe", as its ONNX export tests run it: onnxruntime
+    matches PyTorch (static shapes here, to keep CI short; test_exported_program_converts_to_onnx takes a dynamic
+    length through the same conversion). On ffb5e1a: "No ONNX function found for hf_moe.moe_experts_infer"."""
+    import torch
+
+    exporters = pytest.importorskip("transformers.exporters", reason="transformers < 5.24 has no exporters")
+    from conftest import logits_of_a_tiny_moe
+
+    model = logits_of_a_tiny_moe("native_mixtral").model
+    inputs = {"input_ids": torch.randint(3, 100, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    exported = exporters.OnnxExporter().export(model, inputs, config=exporters.OnnxConfig(dynamic=False))
+    with torch.no_grad():
+        want = model(**inputs).logits
+    torch.testing.assert_close(torch.as_tensor(exported(**inputs).logits), want, rtol=1e-4, atol=1e-4)

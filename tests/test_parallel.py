@@ -142,3 +142,12 @@ def test_expert_parallelism_without_a_process_group_says_how_to_launch():
     for call in (hf_moe.parallelize, hf_moe.expert_parallel):
         with pytest.raises(RuntimeError, match="torchrun --nproc_per_node N"):
             call(_moe())
+
+
+def test_register_for_checkpointing_names_what_a_plain_model_needs():
+    """hf_moe.parallel.register_for_checkpointing is for expert-parallel models; Accelerate saves any other alone."""
+    from accelerate import Accelerator
+
+    model = _moe()
+    with pytest.raises(ValueError, match="is not expert-parallel: accelerator.save_state saves it without"):
+        hf_moe.parallel.register_for_checkpointing(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()))

@@ -26,12 +26,17 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_oldest_transformers_is_the_same_everywhere():
-    """The bound in pyproject.toml, the version scripts/test_oldest.sh installs, and compat's record agree."""
+    """The bound in pyproject.toml, the version scripts/test_oldest.sh installs, and compat's record agree; so do
+    the oldest torch, triton, accelerate and safetensors (the lent GPU's), and torch's lower bound."""
     from hf_moe.compat import TESTED
 
     oldest, newest = TESTED["transformers"]
     script = (ROOT / "scripts" / "test_oldest.sh").read_text()
     assert f"OLDEST={oldest} " in script
+    for name in ("torch", "triton", "accelerate", "safetensors"):
+        assert f"{name.upper()}={TESTED[name][0]}" in script, name
+    torch_minor = ".".join(TESTED["torch"][0].split(".")[:2])
+    assert f'"torch>={torch_minor}"' in (ROOT / "pyproject.toml").read_text()
     major, minor, _ = newest.split(".")
     bound = f'"transformers>={".".join(oldest.split(".")[:2])},<{major}.{int(minor) + 1}"'
     assert bound in (ROOT / "pyproject.toml").read_text()

@@ -44,6 +44,7 @@ if KERNELS_RUN_HERE:
     from hf_moe.ops.triton import grouped_gemm as gemm_k
     from hf_moe.ops.triton import permute as perm_k
     from hf_moe.ops.triton import routing as route_k
+    from hf_moe.ops.triton.ops import fell_back
     from hf_moe.ops.triton.runtime import launch_counts
     from test_ops import CASES, _Experts, _naive, _routing
 
@@ -83,16 +84,26 @@ def all_kernel_names() -> set[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _launch_table(request):
-    """After the module: write the launch counts where the parent asked, and print them."""
+    """After the module: write the launch counts (and the Triton ops that fell back to torch) where the parent (or
+    gpu_check) asked, and print them."""
     yield
     if not KERNELS_RUN_HERE:
         return
     counts = dict(launch_counts)
     if os.environ.get(LAUNCHES_FILE):
-        Path(os.environ[LAUNCHES_FILE]).write_text(json.dumps(counts))
+        Path(os.environ[LAUNCHES_FILE]).write_text(json.dumps(dict(launches=counts, fell_back=dict(fell_back))))
     reporter = request.config.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("\n" + _table(counts))
+
+
+@pytest.fixture(autouse=True)
+def _no_fallback():
+    """A kernel test whose Triton op fell back to torch compared torch with torch: it fails, naming the op. (The test
+    that forces a fallback does so on a dict of its own.)"""
+    yield
+    if KERNELS_RUN_HERE:
+        assert not fell_back, f"Triton ops fell back to torch (the test compared torch with torch): {fell_back}"
 
 
 def _table(counts: dict[str, int], where: str = "interpreter" if INTERPRETING else DEVICE) -> str:
@@ -106,6 +117,10 @@ def _table(counts: dict[str, int], where: str = "interpreter" if INTERPRETING el
 @pytest.mark.slow
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernel tests run in this process")
 def test_kernels_under_the_interpreter(tmp_path, capsys):
+    from hf_moe.compat import triton_interpreter_problem
+
+    if triton_interpreter_problem():  # triton 3.6 with numpy >= 2.4: the interpreter itself fails
+        pytest.skip(triton_interpreter_problem())
     launches = tmp_path / "launches.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_MOE_BACKEND": "triton", LAUNCHES_FILE: str(launches)}
     result = subprocess.run(
@@ -113,7 +128,7 @@ def test_kernels_under_the_interpreter(tmp_path, capsys):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, f"kernel tests failed:\n{result.stdout[-12000:]}\n{result.stderr[-3000:]}"
-    counts = json.loads(launches.read_text())
+    counts = json.loads(launches.read_text())["launches"]
     missing = all_kernel_names() - {name for name, n in counts.items() if n > 0}
     assert not missing, f"kernels no test launched: {sorted(missing)}"
     summary = [line for line in result.stdout.splitlines() if " passed" in line]
@@ -153,7 +168,9 @@ def test_every_kernel_compiles_for_sm90():
 @pytest.mark.slow
 @parent_only
 def test_aot_check_sees_spills():
-    """The check reads the stack frame and counts STL/LDL: the old fp32 128 x 256 tile spills ~13 KB per thread."""
+    """The check reads the stack frame and counts STL/LDL: the old fp32 128 x 256 tile spills, with 13,456 B of stack
+    per thread and ~16,000 STL/LDL under triton 3.9 (32 registers), and 1,040 B and ~500 under triton 3.6 (255
+    registers, the device's triton); a kernel that does not spill has neither."""
     from hf_moe.compat import TritonASTSource, TritonGPUTarget
     from hf_moe.ops.triton import aot, configs
 
@@ -164,7 +181,26 @@ def test_aot_check_sees_spills():
     compiled = triton.compile(TritonASTSource(kernel, *aot._signature(kernel, args)),
                               target=TritonGPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
     found = aot._resources(compiled.asm["cubin"])
-    assert found["STACK"] > 8192 and found["SPILLS"] > 100, found
+    assert found["STACK"] >= 1024 and found["SPILLS"] > 100, found
+
+
+@parent_only
+def test_interpreter_problem_of_triton_3_6_with_numpy_2_4(monkeypatch):
+    """triton 3.6's interpreter fails every kernel loop with a run-time bound under numpy >= 2.4 (triton#9171, fixed
+    in 3.7): compat names the problem and the fix for that pair only."""
+    import importlib.metadata
+
+    from hf_moe.compat import triton_interpreter_problem
+
+    for triton_version, numpy_version, broken in [("3.6.0", "2.4.1", True), ("3.6.0", "2.5.2", True),
+                                                  ("3.6.0", "2.3.5", False), ("3.9.0", "2.4.6", False),
+                                                  ("3.7.0", "2.5.0", False)]:
+        versions = {"triton": triton_version, "numpy": numpy_version}
+        monkeypatch.setattr(importlib.metadata, "version", versions.__getitem__)
+        problem = triton_interpreter_problem()
+        assert (problem is not None) == broken, (versions, problem)
+        if broken:
+            assert f"triton {triton_version}" in problem and "numpy<2.4" in problem
 
 
 @parent_only
@@ -727,7 +763,8 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_torch(monkeypatch):
     with pytest.warns(RuntimeWarning, match="failed to compile.*HF_MOE_BACKEND=torch") as caught:
         got = _layer(experts, x, index, weights.float(), "triton")
         again = _layer(experts, x, index, weights.float(), "triton")
-    assert {w.message.args[0].split(" failed")[0] for w in caught} == {
+    # (only hf_moe's warnings: triton 3.6's interpreter adds numpy's DeprecationWarning on every loop bound)
+    assert {w.message.args[0].split(" failed")[0] for w in caught if w.category is RuntimeWarning} == {
         "hf_moe: the Triton kernel of grouped_mm", "hf_moe: the Triton kernel of grouped_mm_weight_grad"}
     assert set(triton_ops.fell_back) == {"grouped_mm", "grouped_mm_weight_grad"}
     want = _layer(experts, x, index, weights.float(), "torch")

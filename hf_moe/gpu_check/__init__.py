@@ -1,70 +1,115 @@
-"""First light on a GPU, in one command: `python -m hf_moe.gpu_check [--out DIR] [--smoke]`.
+"""First light on a GPU, in one command: `python -m hf_moe.gpu_check [--out DIR] [--budget S] [--smoke]`.
 
-What a session lent a GPU runs first (one call, under 10 minutes on an H100). It writes DIR/report.md and
-DIR/results.json (default DIR: gpu_check/), rewritten after each step, in this order:
+What a session lent a GPU runs first (`scripts/first_light.sh` runs it there). Each step runs in a child process of
+its own with its own time limit (runner.py): a crash or a hang costs that step only, and DIR/report.md,
+DIR/results.json and DIR/logs.txt (every step's whole output) are rewritten after each. The steps, in the order of
+their value, share `--budget` seconds (default 420: one 10-minute device call with room for a rerun):
 
   1. the environment: `nvidia-smi`, `python -m hf_moe.env`;
-  2. tests/test_triton.py on CUDA without the interpreter (HF_MOE_BACKEND=triton);
-  3. `compute-sanitizer --tool memcheck` on the small kernel tests, where the tool is present;
-  4. correctness at Mixtral-like and Qwen3-30B-A3B-like shapes: balanced, skewed and dropped routing; forward, dX
+  2. correctness at Mixtral-like and Qwen3-30B-A3B-like shapes: balanced, skewed and dropped routing; forward, dX
      and dW of the Triton backend against the torch backend; zero gradients for experts without rows; no NaN with
      a poisoned allocator; one tensor past 2**31 elements (correctness.py);
-  5. the speed table at 16,384 tokens in bf16: hf_moe triton, hf_moe torch, transformers' grouped_mm, and a dense
+  3. the speed table at 16,384 tokens in bf16: hf_moe triton, hf_moe torch, transformers' grouped_mm, and a dense
      MLP of the same active FLOPs, median and spread (speed.py);
-  6. a training step of a converted model (bf16 autocast, after `hf_moe.ops.warmup`), and an EP x FSDP2 step
-     over NCCL where there are 2 or more GPUs (ep_step.py).
+  4. a training step of a converted model (bf16 autocast, after `hf_moe.ops.warmup`) on the Triton backend against
+     the torch backend, and an EP x FSDP2 step over NCCL where there are 2 or more GPUs (ep_step.py);
+  5. tests/test_triton.py on CUDA without the interpreter (HF_MOE_BACKEND=triton);
+  6. `compute-sanitizer --tool memcheck` on the small kernel tests, with what is left of the budget.
+
+The run fails (exit status 1) when a step fails, and any Triton op that fell back to torch in any step fails its
+step: report.md names each op and its error, and no row of the speed table is labelled Triton where torch ran.
+Nothing is compiled for the CPU inside the budget: the steps run with HF_MOE_BACKEND=triton, which never builds the
+C++ extension.
 
 `--smoke` runs the same steps on CPU tensors under TRITON_INTERPRET=1 at tiny shapes (CI runs it, so the command
 cannot rot). What needs a GPU runs at a tiny scale there and says so, or is reported "skipped: <why>": nothing is
-faked. The exit status is 0 when no step failed.
+faked. `--steps correctness,speed` runs some of the steps (keys: environment, correctness, speed, training,
+triton-tests, sanitizer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 import time
 from pathlib import Path
+
+from .record import FAILED, Report
+from .runner import StepSpec, run_steps
+
+STEPS = [
+    StepSpec("environment", "environment", "hf_moe.gpu_check.steps:step_environment", most=60, least=10),
+    StepSpec("correctness", "correctness at real shapes", "hf_moe.gpu_check.correctness:step_correctness",
+             most=150, least=60),
+    StepSpec("speed", "speed at 16k tokens, bf16", "hf_moe.gpu_check.speed:step_speed", most=110, least=45),
+    StepSpec("training", "training step, and EP x FSDP2", "hf_moe.gpu_check.steps:step_training_and_expert_parallel",
+             most=90, least=40),
+    StepSpec("triton-tests", "tests/test_triton.py", "hf_moe.gpu_check.steps:step_triton_tests", most=120, least=40),
+    StepSpec("sanitizer", "compute-sanitizer memcheck", "hf_moe.gpu_check.steps:step_sanitizer", most=None, least=30),
+]
+BUDGET = 420.0
+# Under --smoke (CPU, Triton's interpreter, 2 cores) each step takes several times its GPU time.
+SMOKE_SCALE, SMOKE_BUDGET = 4.0, 1500.0
+
+
+def _versions() -> str:
+    """Python and the installed torch, triton, transformers, numpy (read without importing them)."""
+    import importlib.metadata
+
+    found = [f"python {platform.python_version()}"]
+    for name in ("torch", "triton", "transformers", "accelerate", "numpy"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_moe.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="gpu_check", help="where report.md and results.json go (default: gpu_check)")
+    parser.add_argument("--out", default="gpu_check",
+                        help="where report.md, results.json and logs.txt go (default: gpu_check)")
     parser.add_argument("--smoke", action="store_true", help="CPU tensors, TRITON_INTERPRET=1, tiny shapes (CI)")
-    parser.add_argument("--budget", type=float, default=570, help="seconds for the whole run (default 570)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help=f"seconds for the whole run (default {BUDGET:.0f}; {SMOKE_BUDGET:.0f} with --smoke)")
+    parser.add_argument("--steps", default=None,
+                        help="comma-separated keys of the steps to run (default: all): "
+                             + ", ".join(s.key for s in STEPS))
     args = parser.parse_args(argv)
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton binds its kernels to the interpreter when they are defined: set it before anything imports them.
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        os.execve(sys.executable, [sys.executable, "-m", "hf_moe.gpu_check", *(argv or sys.argv[1:])], env)
-
-    import torch
-
-    from .correctness import step_correctness
-    from .record import Report
-    from .speed import step_speed
-    from .steps import step_environment, step_sanitizer, step_training_and_expert_parallel, step_triton_tests
-
-    if not args.smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device is visible: run on a GPU, or add --smoke to run the same steps on CPU")
-    device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
-    deadline = time.monotonic() + args.budget
-
-    def left(reserve: float, most: float) -> float:
-        """Seconds a subprocess step may take: at most `most`, leaving `reserve` for the steps after it."""
-        return max(30.0, min(most, deadline - time.monotonic() - reserve))
-
+    specs = STEPS
+    if args.steps:
+        keys = [k.strip() for k in args.steps.split(",") if k.strip()]
+        unknown = sorted(set(keys) - {s.key for s in STEPS})
+        if unknown:
+            parser.error(f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in STEPS)}")
+        specs = [s for s in STEPS if s.key in keys]
+    budget = args.budget if args.budget is not None else (SMOKE_BUDGET if args.smoke else BUDGET)
+    env = {**os.environ}
+    env.setdefault("HF_MOE_BACKEND", "triton")  # never builds the C++ extension (not needed: no CPU kernels run)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"  # Triton binds its kernels to the interpreter when the child imports them
+    else:
+        env.pop("TRITON_INTERPRET", None)
     context = dict(mode="--smoke (CPU tensors, TRITON_INTERPRET=1, tiny shapes)" if args.smoke else "GPU",
-                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__)
+                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), versions=_versions(), budget=f"{budget:.0f} s",
+                   HF_MOE_BACKEND=env["HF_MOE_BACKEND"])
     report = Report(Path(args.out), "hf_moe gpu_check", context)
-    report.run(1, "environment", step_environment, args.smoke)
-    report.run(2, "tests/test_triton.py", step_triton_tests, args.smoke, left(300, 240))
-    report.run(3, "compute-sanitizer memcheck", step_sanitizer, args.smoke, left(200, 120))
-    report.run(4, "correctness at real shapes", step_correctness, device, args.smoke)
-    report.run(5, "speed at 16k tokens, bf16", step_speed, device, args.smoke)
-    report.run(6, "training step, and EP x FSDP2", step_training_and_expert_parallel, device, args.smoke,
-               left(60, 150))
-    print(f"[gpu_check] {'passed' if report.passed else 'FAILED'}; see {report.out / 'report.md'}", flush=True)
+
+    def cannot_run(step) -> bool:  # the environment step found that Triton cannot run here (no GPU, say)
+        return step.data.get("runnable") is False
+
+    run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0, stop_after=cannot_run,
+              numbers=[STEPS.index(spec) + 1 for spec in specs])  # a step keeps its number when others are left out
+    failed = [f"{s.number}. {s.name}" for s in report.steps if s.status == FAILED]
+    for step, op, err in report.fallbacks():
+        print(f"[gpu_check] Triton op {op} fell back to torch in step {step.number} ({step.name}): {err}", flush=True)
+    print(f"[gpu_check] {'passed' if report.passed else 'FAILED: ' + ', '.join(failed)}; see "
+          f"{report.out / 'report.md'}", flush=True)
     return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Step 4 of gpu_check: hf_moe's Triton path against its torch path at the shapes of real MoE layers.
+"""Step 2 of gpu_check: hf_moe's Triton path against its torch path at the shapes of real MoE layers.
 
 For each shape (Mixtral-like: H 4096, I 14336, E 8, k 2; Qwen3-30B-A3B-like: H 2048, I 768, E 128, k 8; shrunk with
 --smoke) and routing (balanced, skewed: only k + 1 experts get rows, dropped: a sixth of the pairs dropped), one
@@ -9,7 +9,10 @@ expert layer in bf16, forward and backward:
   * experts without rows get exactly zero weight gradients, in every variant;
   * nothing is NaN or infinite, with the CUDA caching allocator first filled with NaN (poisoned), so a kernel that
     reads memory it never wrote shows up;
-  * permute, the Triton GEMM and unpermute on a tensor past 2**31 elements (GPU only: ~15 GB).
+  * permute, the Triton GEMM and unpermute on a tensor past 2**31 elements (GPU only: ~15 GB);
+  * each Triton run launched Triton kernels, and no op of it fell back to torch (a fallback would compare torch
+    with torch): a row where one did says so, and the step fails.
+The step's record is flushed after each case, so a run cut short keeps the cases it finished.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..ops import experts_forward, reference, use_backend
-from .record import FAILED, PASSED, SKIPPED, table
+from .record import FAILED, PASSED, SKIPPED, table, triton_fallbacks
 
 RTOL = 2e-2  # bf16 on both sides, fp32 sums in other orders: ~4e-3 expected
 SHAPES = [("Mixtral-like", 4096, 8, 2, 14336), ("Qwen3-30B-A3B-like", 2048, 128, 8, 768)]
@@ -108,18 +111,19 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def variants(device: torch.device) -> list[tuple[str, str, bool]]:
-    """(label, backend, own GEMMs) of the runs compared with the torch backend."""
-    out = [("triton", "triton", False)]
+    """(label, backend, own GEMMs) of the runs compared with the torch backend: the Triton backend with its own GEMM
+    kernels ("triton"), and where it hands its GEMMs to torch's grouped_mm by default (bf16 on sm90), that too
+    ("triton, torch GEMMs")."""
     if device.type == "cuda" and reference.torch_grouped_mm_usable(device, (torch.bfloat16,), (8,)):
-        out.append(("triton, own GEMMs", "triton", True))  # where the triton backend would use torch's GEMMs
-    return out
+        return [("triton", "triton", True), ("triton, torch GEMMs", "triton", False)]
+    return [("triton", "triton", False)]  # its own GEMMs: torch's grouped_mm is not used here
 
 
 def check_shapes(step, device: torch.device, tokens: int, shapes) -> None:
     """Fill in `step` (see the module docstring)."""
     rows, problems, data = [], [], []
     poisoned = False
-    for label, hidden, num_experts, top_k, inter in shapes:
+    for shape, hidden, num_experts, top_k, inter in shapes:
         experts = Experts(num_experts, hidden, inter, device)
         g = torch.Generator(device=device).manual_seed(2)
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
@@ -132,20 +136,29 @@ def check_shapes(step, device: torch.device, tokens: int, shapes) -> None:
             runs = {"torch": want}
             for name, backend, own in variants(device):
                 poisoned |= poison(device)
-                start = time.perf_counter()
+                start, launched = time.perf_counter(), _launches()
                 runs[name] = run_layer(experts, x, index, weights.bfloat16(), grad, backend, own)
                 errors = {k: rel_error(v, want[k]) for k, v in runs[name].items()}
                 worst = max(errors, key=errors.get)
-                rows.append([label, mode, name, *(f"{errors[k]:.1e}" for k in ("out", "dx", "dweights", "dw1", "dw2")),
+                fell = sorted(triton_fallbacks())  # sticky: an op that fell back before runs torch here too
+                label = name if not fell else f"NOT {name}: {', '.join(fell)} fell back to torch"
+                rows.append([shape, mode, label, *(f"{errors[k]:.1e}" for k in ("out", "dx", "dweights", "dw1", "dw2")),
                              f"{time.perf_counter() - start:.2f}"])
-                data.append(dict(shape=label, routing=mode, variant=name, errors=errors))
+                data.append(dict(shape=shape, routing=mode, variant=name, errors=errors, fell_back=fell,
+                                 launches=_launches() - launched))
                 if errors[worst] > RTOL:
-                    problems.append(f"{label}, {mode}, {name}: {worst} off by {errors[worst]:.2e} (> {RTOL})")
+                    problems.append(f"{shape}, {mode}, {name}: {worst} off by {errors[worst]:.2e} (> {RTOL})")
+                if fell or not data[-1]["launches"]:
+                    problems.append(f"{shape}, {mode}, {name}: " + (
+                        f"{', '.join(fell)} fell back to torch" if fell else "no Triton kernel launched"))
+                step.data = dict(tokens=tokens, rtol=RTOL, poisoned_allocator=poisoned, cases=data)
+                step.flush()
             for name, result in runs.items():
                 if not all(t.isfinite().all() for t in result.values()):
-                    problems.append(f"{label}, {mode}, {name}: NaN or inf")
+                    problems.append(f"{shape}, {mode}, {name}: NaN or inf")
                 if empty.any() and (result["dw1"][empty].any() or result["dw2"][empty].any()):
-                    problems.append(f"{label}, {mode}, {name}: non-zero weight gradient for an expert without rows")
+                    problems.append(f"{shape}, {mode}, {name}: non-zero weight gradient for an expert "
+                                    "without rows")
     step.data = dict(tokens=tokens, rtol=RTOL, poisoned_allocator=poisoned, cases=data)
     step.detail = (f"{tokens} tokens, bf16; relative errors against the torch backend (tolerance {RTOL}); "
                    f"allocator {'poisoned with NaN before each run' if poisoned else 'not poisoned (CPU)'}.\n\n")
@@ -194,7 +207,15 @@ def check_large_tensor(step, device: torch.device, smoke: bool) -> None:
     step.summary = "; ".join(problems) if problems else f"permute, GEMM, unpermute correct on {scale}"
 
 
-def step_correctness(step, device: torch.device, smoke: bool) -> None:
+def _launches() -> int:
+    """Triton kernel launches so far in this process."""
+    from ..ops.triton.runtime import launch_counts
+
+    return sum(launch_counts.values())
+
+
+def step_correctness(step, smoke: bool, limit: float) -> None:
+    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     tokens = 16 if smoke else 4096
     check_shapes(step, device, tokens, TINY_SHAPES if smoke else SHAPES)
     large = type(step)(0, "large")

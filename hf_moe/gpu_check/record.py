@@ -1,20 +1,33 @@
 """What `python -m hf_moe.gpu_check` found, step by step: report.md (for people) and results.json (for tools), both
-rewritten after every step, so a run cut short still leaves what it did."""
+rewritten after every step, so a run cut short still leaves what it did.
+
+A step runs in a child process (runner.py) and writes its `Step` to a JSON file of its own as it goes
+(`Step.flush`), so that what a step measured before it crashed or ran out of time is kept too.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+PASSED, FAILED, SKIPPED, RUNNING = "passed", "failed", "skipped", "running"
+
+
+def triton_fallbacks() -> dict[str, str]:
+    """{op: error} of the Triton ops that fell back to torch in this process (hf_moe/ops/triton/ops.py's record;
+    empty when no Triton op was ever called, so triton is not imported to ask)."""
+    ops = sys.modules.get("hf_moe.ops.triton.ops")
+    return dict(ops.fell_back) if ops is not None else {}
 
 
 @dataclass
 class Step:
-    """One step's outcome. `detail` is markdown; `data` is what results.json keeps of it."""
+    """One step's outcome. `detail` is markdown; `data` is what results.json keeps of it; `fell_back` names the Triton
+    ops that ran torch instead in the step ({op: error}: the step then fails)."""
 
     number: int
     name: str
@@ -22,7 +35,27 @@ class Step:
     summary: str = ""
     detail: str = ""
     seconds: float = 0.0
+    limit: float = 0.0
     data: dict = field(default_factory=dict)
+    fell_back: dict = field(default_factory=dict)
+    path: Path | None = field(default=None, repr=False, compare=False)  # where `flush` writes (a child's result)
+
+    def flush(self) -> None:
+        """Write the step as it stands to `path` (atomically), with the Triton fallbacks of this process so far."""
+        self.fell_back.update(triton_fallbacks())
+        if self.path is None:
+            return
+        staged = self.path.with_suffix(".tmp")
+        staged.write_text(json.dumps(self.to_dict(), default=str))
+        os.replace(staged, self.path)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
+
+    @classmethod
+    def load(cls, path: Path) -> "Step":
+        known = {f.name for f in fields(cls)} - {"path"}
+        return cls(**{k: v for k, v in json.loads(path.read_text()).items() if k in known})
 
 
 class Report:
@@ -33,35 +66,34 @@ class Report:
         self.steps: list[Step] = []
         self.out.mkdir(parents=True, exist_ok=True)
 
-    def run(self, number: int, name: str, fn, *args) -> Step:
-        """Run `fn(step, *args)`, which fills in the step (status, summary, detail, data); an exception fails it."""
-        step = Step(number, name)
-        start = time.perf_counter()
-        print(f"[gpu_check] step {number}: {name} ...", flush=True)
-        try:
-            fn(step, *args)
-        except Exception as err:  # a step's failure is a result: record it and go on to the next step
-            step.status, step.summary = FAILED, f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}" \
-                if str(err).strip() else type(err).__name__
-            step.detail += f"\n\n```text\n{traceback.format_exc()[-6000:]}\n```\n"
-        step.seconds = time.perf_counter() - start
+    def add(self, step: Step) -> None:
         self.steps.append(step)
-        print(f"[gpu_check] step {number}: {step.status} ({step.seconds:.0f} s): {step.summary}", flush=True)
         self.write()
-        return step
 
     @property
     def passed(self) -> bool:
-        return all(s.status != FAILED for s in self.steps)
+        return bool(self.steps) and all(s.status != FAILED for s in self.steps)
+
+    def fallbacks(self) -> list[tuple[Step, str, str]]:
+        """(step, op, error) of every Triton op that fell back to torch, in any step."""
+        return [(s, op, err) for s in self.steps for op, err in s.fell_back.items()]
 
     def write(self) -> None:
-        results = dict(title=self.title, **self.context, passed=self.passed, steps=[asdict(s) for s in self.steps])
+        results = dict(title=self.title, **self.context, passed=self.passed, written=time.strftime("%H:%M:%S"),
+                       steps=[s.to_dict() for s in self.steps])
         (self.out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         lines = [f"# {self.title}", ""]
         lines += [f"- {key}: {value}" for key, value in self.context.items()]
-        lines += ["", "| step | status | seconds | summary |", "| --- | --- | --- | --- |"]
-        lines += [f"| {s.number}. {s.name} | {s.status} | {s.seconds:.0f} | {s.summary.replace('|', '/')} |"
-                  for s in self.steps]
+        lines += [f"- verdict: {'passed' if self.passed else 'FAILED'}" + ("" if self.passed else
+                  f" ({', '.join(f'{s.number}. {s.name}' for s in self.steps if s.status == FAILED)})")]
+        lines += ["", "| step | status | seconds (limit) | summary |", "| --- | --- | --- | --- |"]
+        lines += [f"| {s.number}. {s.name} | {s.status} | {s.seconds:.0f} ({s.limit:.0f}) | "
+                  f"{s.summary.replace('|', '/')} |" for s in self.steps]
+        fallbacks = self.fallbacks()
+        if fallbacks:
+            lines += ["", "## Triton ops that fell back to torch (the run fails: torch ran where Triton was measured)",
+                      ""]
+            lines += [f"- step {s.number} ({s.name}): `{op}`: {err}" for s, op, err in fallbacks]
         for s in self.steps:
             lines += ["", f"## {s.number}. {s.name}: {s.status}", "", s.summary, "", s.detail.strip()]
         (self.out / "report.md").write_text("\n".join(lines).rstrip() + "\n")

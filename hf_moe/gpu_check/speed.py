@@ -1,16 +1,20 @@
-"""Step 5 of gpu_check (and `benchmarks/moe_layer.py --device cuda`): one MoE layer's speed at 16,384 tokens in bf16.
+"""Step 3 of gpu_check (and `benchmarks/moe_layer.py --device cuda`): one MoE layer's speed at 16,384 tokens in bf16.
 
 Contestants, interleaved within each repeat so that a busy device slows each alike, at a Mixtral-like layer
 (H 4096, I 14336, E 8, k 2) and a Qwen3-30B-A3B-like one (H 2048, I 768, E 128, k 8):
-  * hf_moe triton        `SparseMoeBlock` on the Triton backend (opt-in; torch's grouped_mm for its GEMMs where
-                         that is the fast path)
-  * hf_moe triton GEMMs  the same with the Triton GEMM kernels everywhere (only where the row above uses torch's)
+  * hf_moe triton        `SparseMoeBlock` on the Triton backend (opt-in), Triton's GEMM kernels included
+  * hf_moe triton, torch GEMMs   the same with torch's grouped_mm for its GEMMs, where that is the fast path (bf16
+                         on sm90: what the Triton backend runs there by default)
   * hf_moe torch         the same block on the pure-torch ops (the default on CUDA)
   * hf grouped_mm        transformers' `Qwen3MoeSparseMoeBlock`, experts_implementation="grouped_mm"
   * dense                a dense SwiGLU MLP of intermediate size k*I: the same active FLOPs, no routing
 All MoE blocks hold the same router and expert weights, so they route alike. Printed: the median and the 20th-80th
 percentile of the repeats in ms, forward and forward+backward, and dense's time / each one's ("vs dense").
 With --smoke, the same code at tiny shapes on CPU tensors under Triton's interpreter: its times mean nothing.
+
+A row is labelled Triton only where Triton ran: a Triton contestant that launched no Triton kernel, or any of whose
+ops fell back to torch (hf_moe/ops/triton/ops.py), is labelled "NOT ..." with the ops named, and the step fails.
+The record is flushed after each shape.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
 from ..ops import use_backend
 from .correctness import own_gemms, variants
-from .record import PASSED, table
+from .record import FAILED, PASSED, table, triton_fallbacks
 
 TOKENS = 16384
 SHAPES = [("Mixtral-like", 4096, 8, 2, 14336), ("Qwen3-30B-A3B-like", 2048, 128, 8, 768)]
@@ -62,10 +66,7 @@ def build(hidden, num_experts, top_k, inter, dtype, device) -> dict[str, torch.n
         theirs.experts.gate_up_proj.copy_(ours.experts.gate_up_proj)
         theirs.experts.down_proj.copy_(ours.experts.down_proj)
     dense = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=top_k * inter, mlp_bias=False))
-    modules = {"hf_moe triton": Backend(ours, "triton")}
-    for label, backend, own in variants(torch.device(device)):
-        if own:
-            modules["hf_moe triton GEMMs"] = Backend(ours, backend, own=True)
+    modules = {f"hf_moe {label}": Backend(ours, backend, own) for label, backend, own in variants(torch.device(device))}
     modules.update({"hf_moe torch": Backend(ours, "torch"), "hf grouped_mm": theirs,
                     "dense": dense.to(device=device, dtype=dtype)})
     return modules
@@ -80,10 +81,17 @@ def _output(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def measure(modules, x, repeats) -> dict[str, tuple[list[float], list[float]]]:
-    """{contestant: (forward ms per repeat, forward+backward ms per repeat)}, interleaved, after one warm-up each
-    (which also autotunes the Triton GEMMs)."""
+def _launches() -> int:
+    from ..ops.triton.runtime import launch_counts
+
+    return sum(launch_counts.values())
+
+
+def measure(modules, x, repeats) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, int]]:
+    """({contestant: (forward ms per repeat, forward+backward ms per repeat)}, {contestant: Triton kernel launches}),
+    interleaved, after one warm-up each (which also autotunes the Triton GEMMs)."""
     grad = torch.randn_like(x)
+    launches = dict.fromkeys(modules, 0)
 
     def fwd(module):
         with torch.no_grad():
@@ -93,10 +101,15 @@ def measure(modules, x, repeats) -> dict[str, tuple[list[float], list[float]]]:
         _output(module(x.detach().requires_grad_(True))).backward(grad)
         module.zero_grad(set_to_none=True)
 
+    def counted(name, fn, module):
+        before = _launches()
+        fn(module)
+        launches[name] += _launches() - before
+
     times = {name: ([], []) for name in modules}
-    for module in modules.values():
-        fwd(module)
-        fwd_bwd(module)
+    for name, module in modules.items():
+        counted(name, fwd, module)
+        counted(name, fwd_bwd, module)
     for _ in range(repeats):
         for name, module in modules.items():
             for slot, fn in enumerate((fwd, fwd_bwd)):
@@ -105,7 +118,7 @@ def measure(modules, x, repeats) -> dict[str, tuple[list[float], list[float]]]:
                 fn(module)
                 _sync(x.device)
                 times[name][slot].append((time.perf_counter() - start) * 1e3)
-    return times
+    return times, launches
 
 
 def median_spread(values: list[float]) -> tuple[float, float, float]:
@@ -114,22 +127,32 @@ def median_spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), q[0], q[-1]
 
 
-def run(device: torch.device, smoke: bool, repeats: int, dtype=torch.bfloat16) -> list[dict]:
-    """One row per (shape, contestant): medians and spreads in ms, and the ratios to dense."""
+def run(device: torch.device, smoke: bool, repeats: int, dtype=torch.bfloat16, flush=None) -> list[dict]:
+    """One row per (shape, contestant): medians and spreads in ms, the ratios to dense, and for the Triton contestants
+    whether Triton ran (`triton_ran`; else `impl` says "NOT ..." and names the ops that fell back). `flush(rows)`
+    after each shape."""
     shapes, tokens = (TINY_SHAPES, TINY_TOKENS) if smoke else (SHAPES, TOKENS)
     rows = []
     for label, hidden, num_experts, top_k, inter in shapes:
         torch.manual_seed(0)
         modules = build(hidden, num_experts, top_k, inter, dtype, device)
         x = torch.randn(1, tokens, hidden, dtype=dtype, device=device)
-        times = measure(modules, x, repeats)
+        times, launches = measure(modules, x, repeats)
+        fell = sorted(triton_fallbacks())  # sticky in the process: the Triton contestants ran torch for these ops
         dense_f, dense_fb = (statistics.median(t) for t in times["dense"])
         for name, (f, fb) in times.items():
             (fm, f20, f80), (bm, b20, b80) = median_spread(f), median_spread(fb)
-            rows.append(dict(shape=label, tokens=tokens, impl=name, fwd_ms=fm, fwd_p20=f20, fwd_p80=f80,
+            triton = isinstance(modules[name], Backend) and modules[name].backend == "triton"
+            ran = not triton or (launches[name] > 0 and not fell)
+            impl = name if ran else f"NOT {name}: " + (f"{', '.join(fell)} fell back to torch" if fell else
+                                                        "no Triton kernel launched")
+            rows.append(dict(shape=label, tokens=tokens, impl=impl, fwd_ms=fm, fwd_p20=f20, fwd_p80=f80,
                              fwd_vs_dense=dense_f / fm, fwd_bwd_ms=bm, fwd_bwd_p20=b20, fwd_bwd_p80=b80,
-                             fwd_bwd_vs_dense=dense_fb / bm))
+                             fwd_bwd_vs_dense=dense_fb / bm, triton_launches=launches[name] if triton else None,
+                             triton_ran=ran if triton else None, fell_back=fell if triton else []))
         del modules
+        if flush is not None:
+            flush(rows)
     return rows
 
 
@@ -141,12 +164,19 @@ def format_rows(rows: list[dict]) -> str:
          f"{r['fwd_bwd_vs_dense']:.2f}"] for r in rows])
 
 
-def step_speed(step, device: torch.device, smoke: bool) -> None:
+def step_speed(step, smoke: bool, limit: float) -> None:
+    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     repeats = 1 if smoke else 7
-    rows = run(device, smoke, repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
-    step.data = dict(device=name, repeats=repeats, rows=rows)
-    step.detail = (f"{name}, torch {torch.__version__}, bf16, median of {repeats} repeats [20th-80th percentile]"
-                   f"{'; --smoke: tiny shapes, the times mean nothing' if smoke else ''}.\n\n{format_rows(rows)}")
-    step.status = PASSED
-    step.summary = f"{len(rows)} rows measured" + (" (tiny: times mean nothing)" if smoke else "")
+
+    def flush(rows):
+        step.data = dict(device=name, repeats=repeats, rows=rows)
+        step.detail = (f"{name}, torch {torch.__version__}, bf16, median of {repeats} repeats [20th-80th percentile]"
+                       f"{'; --smoke: tiny shapes, the times mean nothing' if smoke else ''}.\n\n{format_rows(rows)}")
+        step.flush()
+
+    rows = run(device, smoke, repeats, flush=flush)
+    not_triton = sorted({r["impl"] for r in rows if r["triton_ran"] is False})
+    step.status = FAILED if not_triton else PASSED
+    step.summary = (f"{len(rows)} rows measured" + (" (tiny: times mean nothing)" if smoke else "")
+                    + (f"; Triton did not run in: {'; '.join(not_triton)}" if not_triton else ""))

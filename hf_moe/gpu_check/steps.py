@@ -1,80 +1,117 @@
-"""Steps 1, 2, 3 and 6 of gpu_check: the environment, the Triton tests on CUDA, compute-sanitizer, and training."""
+"""Steps 1, 4, 5 and 6 of gpu_check: the environment, the training step (and EP x FSDP2), the Triton tests on CUDA,
+and compute-sanitizer. Each runs in a child process (runner.py) as fn(step, smoke, limit)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from .record import FAILED, PASSED, SKIPPED, code_block
+from .record import FAILED, PASSED, SKIPPED, code_block, triton_fallbacks
+from .runner import ROOT, kill_group
 
-ROOT = Path(__file__).resolve().parents[2]  # a source checkout: tests/ beside hf_moe/
 TRITON_TESTS = ROOT / "tests" / "test_triton.py"
-# On a GPU: every test of tests/test_triton.py but the AOT compiles (a real GPU compiles for real). Under --smoke
-# (the interpreter, CI): a few quick kernel tests, so the step's code runs.
-GPU_TESTS = "not compiles_for_sm90 and not aot_check"
+# On a GPU: every test of tests/test_triton.py but the AOT compiles (a real GPU compiles for real) and the two that
+# report the CPU backend (`backend_report()` under HF_MOE_BACKEND=auto builds the C++ extension, which nothing here
+# runs; CI runs them). Under --smoke (the interpreter, CI): a few quick kernel tests, so the step's code runs.
+GPU_TESTS = "not compiles_for_sm90 and not aot_check and not env_reports_the_triton_backend and " \
+            "not cuda_defaults_to_torch"
 SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
               "(test_grouped_mm_forward_and_dx and dropped)"
 # Under compute-sanitizer (slow): the small kernel tests.
 MEMCHECK_TESTS = "test_sort_by_expert_with_gpu_blocks or (test_permute_and_unpermute and dropped) or " \
                  "(test_grouped_mm_forward_and_dx and dropped) or (test_grouped_mm_weight_grad and dropped) or " \
                  "(test_activation_forward_and_backward and silu)"
+LAUNCHES_FILE = "HF_MOE_TRITON_LAUNCHES"  # tests/test_triton.py writes its launch counts and fallbacks there
+MARGIN = 10.0  # seconds a step keeps, within its limit, to record what its own subprocess did
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str]:
-    """(exit status or None on timeout, stdout + stderr)."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), cwd=ROOT,
-                              env={**os.environ, **(env or {})})
-    except subprocess.TimeoutExpired as err:
-        out = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
-        return None, out + f"\n(timed out after {timeout:.0f} s)"
-    return done.returncode, done.stdout + done.stderr
+    """(exit status or None on timeout, stdout + stderr) of `cmd`, in a process group killed whole on timeout."""
+    with tempfile.TemporaryFile("w+") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        try:
+            status = process.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            status = None
+        kill_group(process.pid)  # what the command started goes with it
+        process.wait()
+        out.seek(0)
+        text = out.read()
+    return status, text + ("" if status is not None else f"\n(timed out after {timeout:.0f} s)")
 
 
-def step_environment(step, smoke: bool) -> None:
+def step_environment(step, smoke: bool, limit: float) -> None:
+    """nvidia-smi, `python -m hf_moe.env`, and whether the Triton kernels can run here at all (data["runnable"])."""
+    from ..env import report
+    from ..ops.triton import status as triton_status
+
     smi = shutil.which("nvidia-smi")
     parts, data = [], {}
     if smi:
-        status, out = _run([smi], 60)
+        status, out = _run([smi], min(30.0, limit / 3))
         parts.append(f"nvidia-smi:\n\n{code_block(out)}")
         data["nvidia_smi"] = out
     else:
         parts.append("nvidia-smi: skipped: not found" + (" (--smoke: no GPU)" if smoke else ""))
-    status, env_out = _run([sys.executable, "-m", "hf_moe.env"], 300)
-    parts.append(f"python -m hf_moe.env:\n\n{code_block(env_out)}")
-    data["hf_moe_env"] = env_out
+    env_out = report()
+    parts.append(f"python -m hf_moe.env (HF_MOE_BACKEND={os.environ.get('HF_MOE_BACKEND', 'auto')}):\n\n"
+                 f"{code_block(env_out)}")
+    data.update(hf_moe_env=env_out, cuda=torch.cuda.is_available(), torch=torch.__version__)
     step.data, step.detail = data, "\n\n".join(parts)
-    step.status = PASSED if status == 0 else FAILED
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    step.summary = f"{gpu}; torch {torch.__version__}" + ("" if status == 0 else "; python -m hf_moe.env failed")
+    step.status, step.summary = PASSED, f"{gpu}; torch {torch.__version__}"
+    usable, why = triton_status("cpu" if smoke else "cuda")
+    if not usable:  # the other steps cannot run: the parent skips them, saying this
+        step.status, step.summary = FAILED, why + ("" if smoke else " (or add --smoke to run the steps on CPU)")
+    step.data["runnable"] = usable
 
 
 def _pytest(select: str, timeout: float, prefix: list[str] | None = None, env: dict | None = None):
-    cmd = [*(prefix or []), sys.executable, "-m", "pytest", str(TRITON_TESTS), "-q", "-p", "no:cacheprovider",
-           "-k", select]
-    return _run(cmd, timeout, env)
+    """(exit status, output, launches {kernel: count}, fell_back {op: error}) of tests/test_triton.py -k `select`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = Path(tmp) / "launches.json"
+        cmd = [*(prefix or []), sys.executable, "-m", "pytest", str(TRITON_TESTS), "-v", "-p", "no:cacheprovider",
+               "-k", select]
+        status, out = _run(cmd, timeout, {**(env or {}), LAUNCHES_FILE: str(launches)})
+        found = json.loads(launches.read_text()) if launches.is_file() else {}
+    return status, out, found.get("launches", {}), found.get("fell_back", {})
 
 
-def step_triton_tests(step, smoke: bool, timeout: float) -> None:
+def _summary_line(out: str) -> str:
+    """pytest's closing line, or (cut short) the tests it finished, counted from its -v lines."""
+    lines = [line for line in out.splitlines() if line.startswith("=") and (" passed" in line or " failed" in line
+                                                                             or " error" in line)]
+    if lines:
+        return lines[-1].strip("= ")
+    counts = {word: sum(f" {word.upper()}" in line for line in out.splitlines() if "::" in line)
+              for word in ("passed", "failed", "error", "skipped")}
+    return "cut short; so far " + ", ".join(f"{n} {word}" for word, n in counts.items() if n) if any(
+        counts.values()) else "no test finished"
+
+
+def step_triton_tests(step, smoke: bool, limit: float) -> None:
     if not TRITON_TESTS.is_file():
         step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
         return
     select = SMOKE_TESTS if smoke else GPU_TESTS
     env = {"HF_MOE_BACKEND": "triton"}
-    if not smoke:
-        env["TRITON_INTERPRET"] = "0"
-    status, out = _pytest(select, timeout, env=env)
+    status, out, launches, fell_back = _pytest(select, limit - MARGIN, env=env)
     where = "CPU tensors under TRITON_INTERPRET=1 (--smoke: a few quick tests)" if smoke else "CUDA, no interpreter"
-    tail = [line for line in out.splitlines() if " passed" in line or " failed" in line or "error" in line.lower()]
-    step.data = dict(where=where, select=select, exit_status=status, output=out[-20000:])
+    step.fell_back.update(fell_back)
+    step.data = dict(where=where, select=select, exit_status=status, launches=launches, output=out[-20000:])
     step.detail = f"{where}; `pytest {TRITON_TESTS.relative_to(ROOT)} -k \"{select}\"`\n\n{code_block(out)}"
-    step.status = PASSED if status == 0 else FAILED
-    step.summary = (tail[-1].strip("= ") if tail else "no summary line") + ("" if status is not None else "; timed out")
+    step.status = PASSED if status == 0 and launches else FAILED
+    step.summary = _summary_line(out) + ("" if status is not None else "; timed out") + \
+        ("" if launches or status is None else "; no Triton kernel launched")
 
 
 def _sanitizer() -> str | None:
@@ -88,7 +125,7 @@ def _sanitizer() -> str | None:
     return None
 
 
-def step_sanitizer(step, smoke: bool, timeout: float) -> None:
+def step_sanitizer(step, smoke: bool, limit: float) -> None:
     if smoke or not torch.cuda.is_available():
         step.status, step.summary = SKIPPED, "skipped: memcheck checks CUDA device memory; no GPU here"
         return
@@ -101,9 +138,10 @@ def step_sanitizer(step, smoke: bool, timeout: float) -> None:
         step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
         return
     prefix = [tool, "--tool", "memcheck", "--error-exitcode", "1", "--target-processes", "all"]
-    status, out = _pytest(MEMCHECK_TESTS, timeout, prefix, env={"HF_MOE_BACKEND": "triton", "TRITON_INTERPRET": "0"})
+    status, out, launches, fell_back = _pytest(MEMCHECK_TESTS, limit - MARGIN, prefix, env={"HF_MOE_BACKEND": "triton"})
     errors = [line for line in out.splitlines() if "ERROR SUMMARY" in line]
-    step.data = dict(select=MEMCHECK_TESTS, exit_status=status, output=out[-20000:])
+    step.fell_back.update(fell_back)
+    step.data = dict(select=MEMCHECK_TESTS, exit_status=status, launches=launches, output=out[-20000:])
     step.detail = f"`compute-sanitizer --tool memcheck pytest -k \"{MEMCHECK_TESTS}\"`\n\n{code_block(out)}"
     step.status = PASSED if status == 0 else FAILED
     step.summary = (errors[-1].strip() if errors else "no ERROR SUMMARY line") + ("" if status is not None else
@@ -124,10 +162,13 @@ def _tiny_model(device: torch.device, smoke: bool):
 
 def step_training(step, device: torch.device, smoke: bool) -> None:
     """A converted model's training step under bf16 autocast (fp32 weights: Trainer(bf16=True)), after
-    `hf_moe.ops.warmup`, on the Triton backend against the torch backend: loss, every gradient, an AdamW step."""
+    `hf_moe.ops.warmup`, on the Triton backend against the torch backend: loss, every gradient, an AdamW step.
+    Fails when the Triton run launched no Triton kernel or any op of it fell back to torch: it would compare torch
+    against torch."""
     import copy
 
     from ..ops import use_backend, warmup
+    from ..ops.triton.runtime import launch_counts
     from .correctness import rel_error
 
     model = _tiny_model(device, smoke)
@@ -136,18 +177,23 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
     ids = torch.randint(3, 512, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
     results = {}
     for name, m in (("triton", model), ("torch", twin)):
+        launched = sum(launch_counts.values())
         with use_backend(name), torch.autocast(device.type, dtype=torch.bfloat16):
             lines = warmup(m, tokens=ids.numel())
             loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
         torch.optim.AdamW(m.parameters(), lr=1e-4).step()
-        results[name] = (loss.detach().float(), grads, lines)
-    (loss, grads, lines), (want_loss, want_grads, _) = results["triton"], results["torch"]
+        results[name] = (loss.detach().float(), grads, lines, sum(launch_counts.values()) - launched)
+    (loss, grads, lines, launches), (want_loss, want_grads, _, _) = results["triton"], results["torch"]
     errors = {n: rel_error(g, want_grads[n]) for n, g in grads.items()}
     worst = max(errors, key=errors.get)
     finite = all(p.isfinite().all() for p in model.parameters())
     problems = []
+    fell_back = triton_fallbacks()
+    if fell_back or not launches:
+        problems.append("the Triton run " + (f"fell back to torch in {', '.join(fell_back)}" if fell_back else
+                                             "launched no Triton kernel") + ": torch was compared against torch")
     if abs(float(loss - want_loss)) > 1e-2 * abs(float(want_loss)):
         problems.append(f"loss {float(loss):.5f} vs torch backend {float(want_loss):.5f}")
     if errors[worst] > 5e-2:
@@ -155,22 +201,26 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
     if not finite:
         problems.append("NaN or inf in the weights after the AdamW step")
     step.data = dict(loss=float(loss), torch_loss=float(want_loss), worst_grad=worst, worst_error=errors[worst],
-                     warmup=lines)
+                     warmup=lines, triton_launches=launches)
     step.detail = (f"Converted Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, 8 experts, "
                    f"top-2), {batch}x{length} tokens, bf16 autocast over fp32 weights; warm-up:\n\n"
                    + code_block("\n".join(lines))
                    + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}); "
-                   f"largest gradient error {errors[worst]:.2e} ({worst})")
+                   f"largest gradient error {errors[worst]:.2e} ({worst}); {launches} Triton kernel launches")
     step.status = FAILED if problems else PASSED
-    step.summary = "; ".join(problems) if problems else "loss and gradients match the torch backend; AdamW step finite"
+    step.summary = "; ".join(problems) if problems else \
+        f"loss and gradients match the torch backend ({launches} Triton launches, no fallback); AdamW step finite"
 
 
-def step_training_and_expert_parallel(step, device: torch.device, smoke: bool, timeout: float) -> None:
-    """Step 6: the training step, then the EP x FSDP2 step (skipped with fewer than 2 GPUs), as one step."""
+def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
+    """Step 4: the training step, then the EP x FSDP2 step (skipped with fewer than 2 GPUs), as one step."""
+    start = time.monotonic()
+    device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     step_training(step, device, smoke)
-    ep = type(step)(6, "EP x FSDP2")
+    step.flush()
+    ep = type(step)(step.number, "EP x FSDP2")
     try:
-        step_expert_parallel(ep, smoke, timeout)
+        step_expert_parallel(ep, smoke, limit - (time.monotonic() - start) - MARGIN)
     except Exception as err:  # recorded in the step like any failure
         ep.status, ep.summary = FAILED, f"{type(err).__name__}: {err}"
     step.data["expert_parallel"] = dict(status=ep.status, summary=ep.summary, **ep.data)

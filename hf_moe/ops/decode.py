@@ -62,7 +62,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def decode_attention_block_reference(hidden, input_norm, eps, wq, wq_scale, bq, wk, wk_scale, bk, wv, wv_scale, bv,
                                      wo, wo_scale, bo, q_norm, k_norm, qk_eps, cos, sin, k_cache, v_cache, position,
                                      mask, scaling, post_norm, post_eps, kernels="auto"):
-    """The transformers ops the kernel fuses, in their order (module docstring). Reads `position` on the host."""
+    """The transformers ops the kernel fuses, in their order (module docstring). Traceable with symbolic sizes (no
+    host read of `position`): it is also the op's decomposition (decompositions.py)."""
     b, _ = hidden.shape
     _, kv_heads, length, d = k_cache.shape
     x = rms_norm(hidden, input_norm, eps)
@@ -74,9 +75,9 @@ def decode_attention_block_reference(hidden, input_norm, eps, wq, wq_scale, bq, 
     if k_norm is not None:
         k = rms_norm(k, k_norm, qk_eps)
     q, k = rotary(q, cos[:, None], sin[:, None]), rotary(k, cos[:, None], sin[:, None])
-    at = int(position.reshape(-1)[0])
-    k_cache[:, :, at] = k
-    v_cache[:, :, at] = v
+    at = position.reshape(1)  # [1] int64
+    k_cache.index_copy_(2, at, k[:, :, None].to(k_cache.dtype))
+    v_cache.index_copy_(2, at, v[:, :, None].to(v_cache.dtype))
     if mask is None:
         mask = (torch.arange(length, device=hidden.device) <= at).expand(b, length)
     attn = F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache, attn_mask=mask[:, None, None, :],

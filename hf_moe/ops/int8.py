@@ -54,6 +54,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def compute_weights(dtype: torch.dtype, w1, w1_scale, b1, w2, w2_scale, b2) -> tuple:
+    """(w1, b1, w2, b2) of an expert layer as `dtype`, the activations' dtype: int8 weights dequantized with their
+    scales, the others cast (what `moe_experts_infer` computes with, and its pure-torch references)."""
+    def weight(w, scale):
+        return dequantize_int8(w, scale, dtype) if w.dtype == torch.int8 else w.to(dtype)
+
+    return weight(w1, w1_scale), None if b1 is None else b1.to(dtype), weight(w2, w2_scale), (
+        None if b2 is None else b2.to(dtype)
+    )
+
+
 def group_size_of(q: torch.Tensor, scale: torch.Tensor) -> int | None:
     """The group size a (q, scale) pair was quantized with (None: per output channel)."""
     return q.shape[-1] // scale.shape[-1] if scale.dim() == q.dim() else None

@@ -13,8 +13,9 @@ and runs in any process that has done `import hf_moe`, whichever backend traced 
     hf_moe_torch::   the pure-torch loops over row groups (reference.py, defined when it is imported)
     hf_moe_triton::  the Triton ops (triton/ops.py: defined without importing triton, which runs when an op does)
 
-Each op has a fake kernel (its shapes, for `torch.compile` and `torch.export`) and, where it can appear in a
-forward, a backward formula of its own (autograd.py).
+Each op has a fake kernel (its shapes, for `torch.compile` and `torch.export`), where it can appear in a forward, a
+backward formula of its own (autograd.py), and a decomposition into standard ATen ops, which `torch.onnx.export`
+applies to a program that holds it (decompositions.py).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from .reference import (
 )
 from .autograd import register_composable, register_experts
 from . import decode
+from .decompositions import register as register_decompositions
 from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
 from .extension import backend_setting, load_extension
 from .infer import infer_fake
-from .int8 import dequantize_int8
+from .int8 import compute_weights
 from .triton import ops as triton_ops  # noqa: F401  (defines the hf_moe_triton ops)
 
 NAMESPACE = "hf_moe"
@@ -67,14 +69,8 @@ def reference_infer(x, top_k_index, top_k_weights, w1, w1_scale, b1, w2, w2_scal
                     kernels="auto"):
     """`hf_moe::moe_experts_infer` in pure torch: int8 weights dequantized to the activations' dtype (the kernel's
     reference, int8.py), then `moe_experts_forward`'s reference. [N, H] -> [N, H]."""
-    def weight(w, scale):
-        return dequantize_int8(w, scale, x.dtype) if w.dtype == torch.int8 else w.to(x.dtype)
-
-    b1 = None if b1 is None else b1.to(x.dtype)
-    b2 = None if b2 is None else b2.to(x.dtype)
-    out = reference_forward(x, top_k_index, top_k_weights, weight(w1, w1_scale), b1, weight(w2, w2_scale), b2,
-                            activation, glu, False)
-    return out[0]
+    w1, b1, w2, b2 = compute_weights(x.dtype, w1, w1_scale, b1, w2, w2_scale, b2)
+    return reference_forward(x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, False)[0]
 
 
 TORCH_KERNELS = {
@@ -169,3 +165,5 @@ for _name, _schema in SCHEMAS.items():
 _register_fake_kernels()
 register_experts(f"{NAMESPACE}::moe_experts_forward", torch.ops.hf_moe.moe_experts_backward)
 register_composable(NAMESPACE)
+for _namespace in (NAMESPACE, "hf_moe_torch", "hf_moe_triton"):  # what every exporter translates (decompositions.py)
+    register_decompositions(_namespace)

@@ -46,12 +46,15 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
     flat = top_k_index.reshape(-1).long()
     valid = (flat >= 0) & (flat < num_experts)
     bucket = torch.where(valid, flat, num_experts)
-    sorted_slots = torch.argsort(bucket, stable=True)
-    slot_to_row = torch.empty_like(sorted_slots)
-    slot_to_row[sorted_slots] = torch.arange(flat.numel(), device=flat.device)
+    slots = torch.arange(flat.numel(), device=flat.device)
+    # A stable sort by expert, written as a sort of distinct keys (expert, slot): the same permutation, and an op
+    # every exporter translates (ONNX has no stable sort, `aten.sort.stable`). Out-of-place ops only: this is also
+    # the decomposition of the sort ops (decompositions.py).
+    sorted_slots = torch.argsort(bucket * flat.numel() + slots)
+    slot_to_row = torch.empty_like(sorted_slots).scatter(0, sorted_slots, slots)
     # scatter_add rather than bincount: bincount sizes its output from the data, a host sync on CUDA.
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts.scatter_add(0, bucket, torch.ones_like(bucket))
     return sorted_slots, slot_to_row, counts[:num_experts]
 
 
@@ -238,7 +241,7 @@ def _activation_backward(name: str, grad: torch.Tensor, x: torch.Tensor) -> torc
     if name == "relu":
         return aten.threshold_backward(grad, x, 0)
     if name == "relu2":
-        return grad * x.clamp_min(0).mul_(2)
+        return grad * x.clamp_min(0) * 2
     return None
 
 

@@ -12,9 +12,14 @@ Launch with `torchrun` or `accelerate launch`. Layout (mesh.py): the experts are
 FSDP2-sharded along "ep" and replicated along "dp" (`parallelize`). Training checkpoints that reshard on load:
 `hf_moe.parallel.save_training_state` / `load_training_state` (training_state.py).
 
-`hf_moe.expert_parallel(model)` shards only the experts, for a caller that shards the rest itself:
-`fully_shard` by hand (pass `mesh=hf_moe.parallel.device_mesh(model)` to keep `torch.nn.utils.clip_grad_norm_`
-on one mesh) or Accelerate's FSDP2 plugin. DDP cannot wrap DTensor parameters (Accelerate refuses it).
+`hf_moe.expert_parallel(model)` (and `from_pretrained(expert_parallel=True)`) shards only the experts, for a caller
+that handles the rest: DDP (`Accelerator().prepare(model)`, or `DistributedDataParallel`), `fully_shard` by hand
+(pass `mesh=hf_moe.parallel.device_mesh(model)` to keep `torch.nn.utils.clip_grad_norm_` on one mesh) or
+Accelerate's FSDP2 plugin. Under DDP the experts stay out of DDP's buckets and broadcasts (they are listed in
+`_ddp_params_and_buffers_to_ignore`, DDP's convention) and reduce their own gradients as FSDP2 units over "dp", the
+processes that hold the same experts (expert data parallelism): dense gradients averaged by DDP, expert gradients by
+FSDP2, both the gradient of the mean loss. `accelerator.save_state` / `load_state` need
+`hf_moe.parallel.register_for_checkpointing(accelerator, model, optimizer)` (accelerate_state.py).
 """
 
 from __future__ import annotations
@@ -22,16 +27,17 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from ..compat import declare_sharded_at_load
+from ..compat import ddp_ignore_parameters, declare_sharded_at_load
 from ..layers import Experts
 from ..layers.router import ExpertChoiceRouter
+from .accelerate_state import register_for_checkpointing
 from .mesh import ExpertParallelPlan, build_mesh, build_plan
 from .shard import shard_experts
 from .training_state import load_training_state, save_training_state
 
 __all__ = [
     "ExpertParallelPlan", "build_mesh", "build_plan", "device_mesh", "expert_parallel", "load_training_state",
-    "parallelize", "save_training_state",
+    "parallelize", "register_for_checkpointing", "save_training_state",
 ]
 
 
@@ -52,7 +58,8 @@ def expert_parallel(
 
     The expert parameters become DTensors: process (d, p) stores its share of block p of the experts (see
     shard.py), and each `Experts` module is an FSDP2 unit that reduces its own gradients. The other parameters are
-    left as they are, for `fully_shard` by hand or Accelerate's FSDP2 plugin; `hf_moe.parallelize` does both.
+    left as they are, for DDP (the experts are listed as parameters DDP ignores), `fully_shard` by hand or
+    Accelerate's FSDP2 plugin; `hf_moe.parallelize` shards both.
 
     Raises:
         ValueError: if E is not a multiple of the expert-parallel size, or the model is already expert-parallel.
@@ -63,8 +70,7 @@ def expert_parallel(
     plan = build_plan(process_group, expert_parallel_size, mesh)
     for experts in _experts_modules(model):
         shard_experts(experts, plan, holds_block=False)
-    model.expert_parallel_plan = plan
-    return model
+    return _mark(model, plan)
 
 
 def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
@@ -72,7 +78,23 @@ def finish(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
     _refuse_expert_choice(model)
     for experts in _experts_modules(model):
         shard_experts(experts, plan, holds_block=True)
+    return _mark(model, plan)
+
+
+def _mark(model: nn.Module, plan: ExpertParallelPlan) -> nn.Module:
+    """Record the plan, and keep the experts out of DDP: each process holds other experts (DDP would broadcast rank
+    0's over them, and average gradients of different experts), and their FSDP2 units reduce their gradients."""
     model.expert_parallel_plan = plan
+    experts = set(_experts_modules(model))
+    ddp_ignore_parameters(model, [
+        f"{name}.{param}" for name, module in model.named_modules() if module in experts
+        for param, _ in module.named_parameters(recurse=False)
+    ])
+    for module in experts:
+        # Under DDP each Experts unit is an FSDP2 root, which FSDP2 keeps gathered over "dp" from forward to backward:
+        # reshard it after forward, as it does under `parallelize` (a child unit), so the experts keep 1 / world of
+        # the memory during a step.
+        module.set_reshard_after_forward(True, recurse=False)
     return model
 
 

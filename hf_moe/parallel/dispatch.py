@@ -6,12 +6,14 @@ Per MoE layer, on each rank of an EP group of P ranks (N local tokens, k slots, 
     2. exchange the per-expert counts (all_to_all of P * E/P integers); the split sizes are read on the host;
     3. all_to_all the rows (uneven splits); each rank receives, from every source rank, rows grouped by its
        local experts;
-    4. run the local experts on the received rows (hf_moe.ops, compiled when available);
-    5. all_to_all the results back, and combine each token's k rows with its routing weights.
+    4. run the local experts on the received rows (hf_moe.ops, compiled when available), each row's routing weight
+       (sent with it) folded in as on one process;
+    5. all_to_all the results back, and sum each token's k rows.
 
 Backward runs the reverse exchanges through autograd. A rank that receives no rows still takes part in every
-exchange, so nothing hangs. Bytes moved per layer and rank, forward (T local tokens, b bytes per element):
-dispatch + combine = 2 * T * k * H * b * (P - 1) / P with uniform routing; the backward moves the same again.
+exchange, so nothing hangs. Bytes moved per layer and rank, forward (T local tokens, b bytes per element: the
+autocast dtype's under autocast): dispatch (rows and their weights) + combine = T * k * (2H + 1) * b * (P - 1) / P
+with uniform routing; the backward moves the same again.
 """
 
 from __future__ import annotations
@@ -55,40 +57,58 @@ def expert_parallel_forward(
     """[N, H] -> [N, H] through each token's k experts, wherever they are (see the module docstring).
 
     `experts` holds experts [expert_offset, expert_offset + num_local_experts) of `num_experts`, and `ep_plan`.
+    The arithmetic is that of one process (`hf_moe.ops.experts_forward`): under autocast the tokens and the local
+    weights are cast to the autocast dtype and the experts run in it (so the rows travel in it too); each row's
+    routing weight, in the tokens' dtype, travels with it and is folded in before the down projection; each
+    token's k rows are summed in fp32 and rounded once. Returns [N, H] in the (cast) tokens' dtype.
     """
     plan: ExpertParallelPlan = experts.ep_plan
-    n, k = top_k_index.shape
     local = experts.num_local_experts
-    sorted_slots, slot_to_row, counts = reference.sort_by_expert(top_k_index, experts.num_experts)
-    send_counts = counts.view(plan.ep_size, local)
-    recv_counts = _exchange_counts(send_counts, plan)
-    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # host reads: all_to_all needs them
-    sent = sum(send)
-
-    rows = hidden_states.index_select(0, torch.div(sorted_slots[:sent], k, rounding_mode="floor"))
-    received = _AllToAll.apply(rows, send, recv, plan.ep_group)  # [R, H]: by source rank, then local expert
-    local_ids = torch.repeat_interleave(
-        torch.arange(local, device=received.device).repeat(plan.ep_size), recv_counts.reshape(-1),
-        output_size=received.shape[0],
-    )
     activation = kernel_activation(experts.activation)
     w1 = experts.gate_up_proj if experts.has_gate else experts.up_proj
     b1 = experts.gate_up_proj_bias if experts.has_gate else experts.up_proj_bias
     # The local block [E / P, ...] of each DTensor weight (FSDP2 has gathered it over "dp" for the forward); its
     # gradient flows back into the DTensor, and FSDP2 reduces it (shard.py).
     params = [None if p is None else p.to_local() for p in (w1, b1, experts.down_proj, experts.down_proj_bias)]
-    ones = received.new_ones(received.shape[0], 1)
-    computed = run_experts(
-        dispatch_ops(received.device, activation), received, local_ids.unsqueeze(1), ones, *params, activation,
-        experts.has_gate,
-    )
-    returned = _AllToAll.apply(computed, recv, send, plan.ep_group)  # [sent, H], in our sorted order
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):  # as experts_forward does: autocast's cast of nn.Linear
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden_states, *params = (None if t is None else t.to(dtype) for t in (hidden_states, *params))
+        with torch.autocast(device_type, enabled=False):
+            return _exchange_and_compute(plan, hidden_states, top_k_index, top_k_weights, params, local, activation,
+                                         experts.has_gate, experts.num_experts)
+    return _exchange_and_compute(plan, hidden_states, top_k_index, top_k_weights, params, local, activation,
+                                 experts.has_gate, experts.num_experts)
 
-    dropped = top_k_index.numel() - sent
-    rows_by_slot = torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])]).index_select(0, slot_to_row)
-    weights = top_k_weights.to(torch.float32).unsqueeze(1)  # [N, 1, k]
-    out = torch.bmm(weights, rows_by_slot.view(n, k, -1).to(torch.float32)).squeeze(1)
-    return out.to(hidden_states.dtype)
+
+def _exchange_and_compute(plan: ExpertParallelPlan, hidden_states, top_k_index, top_k_weights, params, local: int,
+                          activation: str, glu: bool, num_experts: int) -> torch.Tensor:
+    """Steps 1-5 of the module docstring with the local weights `params` (w1, b1, w2, b2) [E / P, ...]."""
+    k = top_k_index.shape[1]
+    sorted_slots, slot_to_row, counts = reference.sort_by_expert(top_k_index, num_experts)
+    send_counts = counts.view(plan.ep_size, local)
+    recv_counts = _exchange_counts(send_counts, plan)
+    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # host reads: all_to_all needs them
+    sent = sum(send)
+
+    # Each row carries its routing weight as one more column (in the tokens' dtype, as on one process): one exchange.
+    rows = hidden_states.index_select(0, torch.div(sorted_slots[:sent], k, rounding_mode="floor"))
+    row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots[:sent]).to(rows.dtype)
+    received = _AllToAll.apply(torch.cat([rows, row_weight.unsqueeze(1)], 1), send, recv, plan.ep_group)
+    received, received_weight = received[:, :-1], received[:, -1:]  # [R, H], [R, 1]: by source rank, local expert
+    local_ids = torch.repeat_interleave(
+        torch.arange(local, device=received.device).repeat(plan.ep_size), recv_counts.reshape(-1),
+        output_size=received.shape[0],
+    )
+    computed = run_experts(
+        dispatch_ops(received.device, activation), received, local_ids.unsqueeze(1), received_weight, *params,
+        activation, glu,
+    )
+    returned = _AllToAll.apply(computed, recv, send, plan.ep_group)  # [sent, H], in our sorted order, weighted
+
+    dropped = top_k_index.numel() - sent  # their rows are zero, as the grouped GEMM leaves them on one process
+    return reference.unpermute(torch.cat([returned, returned.new_zeros(dropped, returned.shape[1])]), slot_to_row,
+                               None, k)
 
 
 class ExpertParallelExperts(Experts):

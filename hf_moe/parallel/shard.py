@@ -2,10 +2,14 @@
 
 Each `Experts` module becomes its own FSDP2 unit, on the ("dp", "ep") mesh (see mesh.py):
 
-    parameter    DTensor [E, ...], placements (Replicate(), Shard(0)) before FSDP: block p of E / P experts on "ep"
-    stored       FSDP2 shards each block over "dp": on dim 0 (whole experts per process) when the block's experts
-                 divide evenly over "dp", else on dim 1 (a slice of every expert of the block; as torchtitan does),
-                 so that memory falls as 1 / world size even with fewer experts per block than "dp" processes
+    parameter    DTensor [E, ...] on the "ep" sub-mesh, Shard(0), before FSDP: block p of E / P experts on "ep"
+    stored       `fully_shard` over the "dp" sub-mesh shards each block: on dim 0 (whole experts per process) when
+                 the block's experts divide evenly over "dp", else on dim 1 (a slice of every expert of the block;
+                 as torchtitan does), so that memory falls as 1 / world size even with fewer experts per block than
+                 "dp" processes. FSDP2 joins the two sub-meshes: the stored parameter is a DTensor on the whole
+                 ("dp", "ep") mesh, the mesh of every other parameter, placed (Shard or _StridedShard, Shard(0)).
+                 This is FSDP2's composition with tensor parallelism, in torch 2.11 and newer (torch 2.13's
+                 `fully_shard(..., dp_mesh_dims=...)` on the whole mesh would do the same, and only there).
     forward      FSDP2 all-gathers the block over "dp"; the dispatch (dispatch.py) computes with `param.to_local()`
     gradient     the local block's gradient sums the contributions of the P ranks of the row (the all_to_all's
                  backward); FSDP2 reduce-scatters it over "dp" and divides by the world size, so it is the gradient
@@ -19,8 +23,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ..layers import Experts
 from .dispatch import ExpertParallelExperts
@@ -57,18 +61,18 @@ def shard_experts(experts: nn.Module, plan: ExpertParallelPlan, *, holds_block: 
             raise ValueError(
                 f"{name} holds {block.shape[0]} experts, but this process's block is experts [{start}, {end})."
             )
-        local = DTensor.from_local(block.to(device), plan.mesh, (Replicate(), Shard(0)), run_check=False)
+        local = DTensor.from_local(block.to(device), plan.mesh["ep"], (Shard(0),), run_check=False)
         setattr(experts, name, nn.Parameter(local, requires_grad=param.requires_grad))
     experts.num_local_experts, experts.expert_offset, experts.ep_plan = end - start, start, plan
     experts.__class__ = ExpertParallelExperts  # its forward exchanges tokens over "ep" (dispatch.py)
     fully_shard(
-        experts, mesh=plan.mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"),
+        experts, mesh=plan.mesh["dp"],
         shard_placement_fn=lambda param: Shard(expert_shard_dim(end - start, plan.dp_size, param.shape)),
     )
     experts.set_gradient_divide_factor(plan.world_size)  # the mean over all processes, not over "dp" only
     if plan.mesh.device_type == "cpu" and plan.dp_size > 1:
-        # gloo has no PREMUL_SUM: sum, then divide. Not with a "dp" of one process: FSDP2 (torch 2.13) then copies
-        # the gradient divided by the factor and divides it by the factor again.
+        # gloo has no PREMUL_SUM: sum, then divide. Not with a "dp" of one process: FSDP2 (torch 2.11 to 2.13) then
+        # copies the gradient divided by the factor and divides it by the factor again.
         experts.set_force_sum_reduction_for_comms(True)
 
 

@@ -18,6 +18,7 @@ import contextlib
 import os
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from transformers import Trainer
 
 from ..checkpoint import recover_interrupted_commit
@@ -63,7 +64,10 @@ class MoETrainer(Trainer):
     """A `transformers.Trainer` with resharding training checkpoints and hf_moe's sharding (see the module doc)."""
 
     def __init__(self, model=None, args=None, *more, **kwargs):
-        if _is_sharded_by_hf_moe(model) and not trainer_supports_sharded_models():
+        # A parallelized model: its experts expert-parallel and the model itself an FSDP2 unit. (transformers < 5.23
+        # has no attribute to mark it with: `_is_sharded_by_hf_moe` cannot see it there.)
+        parallelized = getattr(model, "expert_parallel_plan", None) is not None and isinstance(model, FSDPModule)
+        if parallelized and not trainer_supports_sharded_models():
             raise RuntimeError(
                 f"transformers {TRANSFORMERS_VERSION}'s Trainer would wrap this model, sharded by hf_moe.parallelize, "
                 "in DDP, which cannot hold DTensor parameters. Upgrade transformers (5.23 lets a model own its "
@@ -87,8 +91,9 @@ class MoETrainer(Trainer):
             )
         if plan is not None and not sharded and not self.is_fsdp_enabled:
             raise ValueError(
-                "The experts are sharded (hf_moe.expert_parallel) but the other parameters are not, and DDP cannot "
-                "wrap DTensor parameters. Call hf_moe.parallelize(model) to shard them with FSDP2, or launch with "
+                "The experts are sharded (hf_moe.expert_parallel) but the other parameters are not: Trainer would "
+                "wrap the model in DDP and save it from rank 0 alone, which holds only its own experts. Call "
+                "hf_moe.parallelize(model) to shard them with FSDP2, or launch with "
                 "Accelerate's FSDP2 plugin (accelerate launch --use_fsdp --fsdp_version 2 ...)."
             )
 

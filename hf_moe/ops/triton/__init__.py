@@ -23,6 +23,7 @@ import importlib.util
 
 import torch
 
+from ...compat import triton_interpreter_problem
 from ..experts import DispatchOps
 
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores (tl.dot on bf16)
@@ -48,6 +49,9 @@ def status(device_type: str) -> tuple[bool, str]:
     interpreting = bool(triton.knobs.runtime.interpret)
     if device_type == "cpu":
         if interpreting:
+            problem = triton_interpreter_problem()
+            if problem is not None:
+                return False, problem
             return True, "TRITON_INTERPRET=1: Triton's interpreter runs them on the host (slow; for tests)"
         return False, "CPU tensors need Triton's interpreter: TRITON_INTERPRET=1 before Python starts (for tests)"
     if device_type != "cuda":

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# First light on a lent GPU: the one command to run there, from the checkout, with the machine's own packages (nothing
+# is installed; no network). It runs `python -m hf_moe.gpu_check` within a budget (default 420 s, so that one
+# 10-minute device call holds it with room to spare) and leaves in $OUT (default: ./first_light) at most four files,
+# none in a folder: report.md, results.json, logs.txt (gpu_check's; every step's whole output) and first_light.log
+# (this script's output). docs/backends.md says what to do with the report.
+#
+#   bash scripts/first_light.sh                 # on the GPU machine, from the repository root or anywhere
+#   BUDGET=300 bash scripts/first_light.sh      # a shorter run; PYTHON=python3.12 to pick the interpreter
+#
+# Exit status: gpu_check's (0: every step passed or was skipped, saying why; 1: a step failed, a Triton op fell back
+# to torch included), or 1 when hf_moe does not even import (report.md then holds the traceback).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/first_light}"
+BUDGET="${BUDGET:-420}"
+PYTHON="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_MOE_BACKEND="${HF_MOE_BACKEND:-triton}"  # never builds the C++ CPU extension (it is not what runs here)
+unset TRITON_INTERPRET
+
+run() {
+    echo "== first light: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null \
+        || echo unknown), budget ${BUDGET} s"
+    "$PYTHON" - <<'EOF'
+import importlib.metadata as m, platform
+names = ("torch", "triton", "transformers", "accelerate", "safetensors", "numpy", "pytest")
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "missing"
+print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
+EOF
+    if ! "$PYTHON" -c "import hf_moe" 2>"$OUT/import_error.txt"; then
+        cat "$OUT/import_error.txt"
+        {
+            echo "# hf_moe gpu_check"
+            echo
+            echo "- verdict: FAILED (\`import hf_moe\` failed: no step ran)"
+            echo
+            echo '```text'
+            cat "$OUT/import_error.txt"
+            echo '```'
+        } >"$OUT/report.md"
+        rm -f "$OUT/import_error.txt"
+        return 1
+    fi
+    rm -f "$OUT/import_error.txt"
+    # The budget is gpu_check's; the margin is for a step killed at its limit and for writing the report.
+    timeout -k 10 "$((BUDGET + 60))" "$PYTHON" -m hf_moe.gpu_check --out "$OUT" --budget "$BUDGET"
+    local status=$?
+    echo "== report: $OUT/report.md (exit status $status)"
+    awk '/^## 1\. /{exit} {print}' "$OUT/report.md" 2>/dev/null  # the verdict, the steps' table, any fallbacks
+    return "$status"
+}
+
+run 2>&1 | tee "$OUT/first_light.log"
+exit "${PIPESTATUS[0]}"
