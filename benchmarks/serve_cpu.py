@@ -50,7 +50,7 @@ from spread import cell  # noqa: E402
 from workers import Worker  # noqa: E402
 
 QUESTION = "What is the capital of France?"
-GGUF_TYPE = {"fp32": "f32", "bf16": "f16", "int8": "q8_0"}  # llama.cpp's type at each precision (the issue's pairs)
+GGUF_TYPE = {"fp32": "f32", "bf16": "f16", "int8": "q8_0", "int8all": "q8_0"}  # llama.cpp's type at each precision
 GGUF_EXTRA = {"bf16": "bf16"}  # --llamacpp-bf16: llama.cpp's own bf16 too, in the bf16 group
 
 
@@ -107,9 +107,12 @@ def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[s
     for engine in ("hf_moe", "native"):
         if engine == "native" and precision == "int8":
             continue  # transformers' MoE models have no int8 experts (torchao and quanto quantize nn.Linear only)
-        if engine in args.engines:
-            workers.append((f"{engine} {precision}", python_worker(engine, dirs[engine], precision, args),
-                            list(args.modes)))
+        if engine not in args.engines:
+            continue
+        # int8: the experts only, and (int8all) the attention projections and the LM head too (--int8)
+        for variant in args.int8 if precision == "int8" else [precision]:
+            modes = list(args.modes) if engine == "hf_moe" else [m for m in args.modes if not m.startswith("fused")]
+            workers.append((f"{engine} {variant}", python_worker(engine, dirs[engine], variant, args), modes))
     context = max(max(args.prefill) + args.new_tokens + 64, args.loss_window + 8,
                   len(args.texts.question) + args.new_tokens + 8)
     for kind in (GGUF_TYPE.get(precision), GGUF_EXTRA.get(precision)):
@@ -130,7 +133,7 @@ def run_once(worker: Worker, mode: str, texts: Texts, args) -> dict:
     result = {"decode_step": 1 / statistics.median(steps), "decode_e2e": args.new_tokens / times[-1],
               "tokens": out["tokens"]}
     for n, prompt in texts.prefill.items():
-        if mode != "compiled":
+        if mode in ("eager", "-"):
             out = worker.call("generate", prompt=prompt, new_tokens=1, stop_at_eos=False, **extra)
             result[f"prefill_{n}"] = n / out["times"][1]
     return result
@@ -152,7 +155,7 @@ def run_group(precision: str, dirs: dict, ggufs: dict, texts: Texts, args) -> di
                     modes.remove(mode)
                     continue
                 first = time.perf_counter() - start
-                if mode == "compiled":
+                if mode not in ("eager", "-"):
                     run_once(worker, mode, texts, args)  # the call after the compiling one is slower too
                 results[name] = {"info": info, "first_call_s": first, "runs": [],
                                  "peak_rss": worker.call("rss")["peak_rss"], "worker": label}
@@ -261,7 +264,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny random model, tiny sizes, no llama.cpp")
     p.add_argument("--workdir", default="serve-work", help="exports, GGUF files and the corpus are kept here")
     p.add_argument("--precisions", default="fp32,bf16,int8")
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--modes", default="eager,compiled,fused",
+                   help="eager, and the compiled decode steps of serve_worker.py's MODES: compiled, cpp_wrapper, "
+                        "freezing, max_autotune, fused, fused_python (fused*: hf_moe only)")
+    p.add_argument("--int8", default="int8,int8all",
+                   help="hf_moe's int8 contestants: int8 (experts), int8all (experts and the other linear layers)")
     p.add_argument("--engines", default="hf_moe,native,llamacpp")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -281,6 +288,7 @@ def main() -> None:
         p.error("--model is required (or --smoke)")
     args.prefill = [int(n) for n in args.prefill.split(",")]
     args.precisions, args.modes = args.precisions.split(","), args.modes.split(",")
+    args.int8 = args.int8.split(",")
     args.engines = [e for e in args.engines.split(",") if e]
     if args.repeats < 1 or args.new_tokens < 2:
         p.error("--repeats must be at least 1 and --new-tokens at least 2")

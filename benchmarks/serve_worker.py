@@ -10,12 +10,19 @@ benchmarks/llamacpp_bench.mjs, whose commands it shares).
 
 Commands (each generate/nll on a fresh cache):
     {"op": "info"}
-    {"op": "generate", "prompt": [ids], "new_tokens": N, "stop_at_eos": bool, "mode": "eager"|"compiled"}
+    {"op": "generate", "prompt": [ids], "new_tokens": N, "stop_at_eos": bool, "mode": one of MODES}
         -> {"tokens": [...], "times": [0, t_1, ..., t_N]}: seconds from the call to each new token's arrival
-           (greedy; `min_new_tokens=N` unless stop_at_eos). compiled: hf_moe.generation.fast_decode_kwargs(), the
-           static cache with the decode step compiled once (the prefill stays eager, as transformers runs it), as
-           long as `hf_moe.generation` makes it for hf_moe models (the need, in a power of two, at least 256), for
-           both engines
+           (greedy; `min_new_tokens=N` unless stop_at_eos). eager: generate's default dynamic cache. Every other
+           mode: hf_moe.generation.fast_decode_kwargs(), the static cache with the decode step compiled once (the
+           prefill stays eager, as transformers runs it), as long as `hf_moe.generation` makes it for hf_moe models
+           (the need, in a power of two, at least 256), for both engines, with MODES' settings:
+             compiled      transformers' decode step, inductor's defaults (Python calls each kernel)
+             cpp_wrapper   transformers' decode step, inductor's C++ wrapper (one C++ function calls the kernels)
+             freezing      transformers' decode step, weights folded as constants and prepacked for oneDNN
+             max_autotune  freezing, plus inductor's CPU GEMM templates benchmarked against ATen's
+             fused         hf_moe's fused decode step (hf_moe.decode) with hf_moe's default options (the C++
+                           wrapper); transformers' own models ignore `fused` and run `cpp_wrapper`
+             fused_python  the fused step with inductor's Python wrapper
     {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
     {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
 """
@@ -31,7 +38,18 @@ import traceback
 
 import torch
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16, "int8all": torch.bfloat16}
+# mode -> hf_moe.generation.decode_compile_config's arguments (see the docstring)
+FREEZING = {"freezing": True}
+MODES = {
+    "compiled": dict(fused=False, options={}),
+    "cpp_wrapper": dict(fused=False, options={"cpp_wrapper": True}),
+    "freezing": dict(fused=False, options=FREEZING),
+    "max_autotune": dict(fused=False, options={**FREEZING, "max_autotune": True,
+                                               "max_autotune_gemm_backends": "CPP,ATEN"}),
+    "fused": dict(fused=True),
+    "fused_python": dict(fused=True, options={}),
+}
 
 
 def status_bytes(field: str) -> int:
@@ -73,11 +91,11 @@ def load(args):
             kwargs = dict(device_map="auto", max_memory={"cpu": args.accelerate_max_memory},
                           offload_folder=args.offload_folder)
         model = hf_moe.MoEForCausalLM.from_pretrained(args.model, dtype=dtype, **kwargs)
-        if args.precision == "int8":
-            hf_moe.quantize_experts(model, "int8")
+        if args.precision.startswith("int8"):  # int8all: the attention, dense layers and LM head too
+            hf_moe.quantize_experts(model, "int8", linears=args.precision == "int8all")
     else:
         kwargs = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
-        if args.precision == "int8":
+        if args.precision.startswith("int8"):
             raise SystemExit("int8: transformers' native MoE models have no int8 experts (torchao and quanto "
                              "quantize nn.Linear only)")
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **kwargs)
@@ -90,12 +108,12 @@ def generate(model, prompt, new_tokens, stop_at_eos, mode, pad_token_id):
                   attention_mask=torch.ones_like(ids))
     if not stop_at_eos:
         kwargs["min_new_tokens"] = new_tokens
-    if mode == "compiled":  # the fast decode path: cache length the call's need, a power of two (>= 256)
+    if mode in MODES:  # the fast decode path: cache length the call's need, a power of two (>= 256)
         from hf_moe.generation import cache_length, fast_decode_kwargs
 
-        kwargs.update(fast_decode_kwargs(max_cache_len=cache_length(ids.shape[1] + new_tokens)))
+        kwargs.update(fast_decode_kwargs(max_cache_len=cache_length(ids.shape[1] + new_tokens), **MODES[mode]))
     elif mode != "eager":
-        raise ValueError(f"mode must be eager or compiled, got {mode!r}")
+        raise ValueError(f"mode must be eager or one of {', '.join(MODES)}, got {mode!r}")
     streamer = Timestamps()
     start = time.perf_counter()
     with torch.inference_mode():

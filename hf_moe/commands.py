@@ -248,7 +248,7 @@ def _generate(args) -> None:
             model = MoEForCausalLM.from_pretrained(directory, **options).eval()
         tokenizer = load_tokenizer(directory)
     if args.quantize:
-        quantize_experts(model, args.quantize)
+        quantize_experts(model, "int8", linears=args.quantize == "int8-all")
     load_s = time.perf_counter() - start
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,

@@ -10,6 +10,7 @@ imported where they are used.
 
 from __future__ import annotations
 
+import torch
 from transformers import __version__ as TRANSFORMERS_VERSION  # noqa: N812
 
 # The releases CI tests, oldest and newest (pyproject.toml's bounds say the same; scripts/test.sh runs both ends). The
@@ -78,6 +79,24 @@ def cache_kwargs(cache) -> dict:
     """The keyword argument that passes `cache` to a model's forward: `{"cache": cache}` from transformers 5.24,
     `{"past_key_values": cache}` before."""
     return {CACHE_NAME: cache}
+
+
+def static_cache_layers(cache) -> list | None:
+    """[(keys [B, Hkv, L, D], values, length)] of each layer of a `StaticCache` whose layers are all plain,
+    initialised `StaticLayer`s, or None for any other cache. `length` is the layer's 0-dim int64 count of the
+    positions written (`cumulative_length`, an internal of 5.24's StaticLayer: it replaced the `cache_position`
+    argument that decides where `update` writes); a release without it gives None too."""
+    from transformers.cache_utils import StaticCache, StaticLayer
+
+    if not isinstance(cache, StaticCache) or not cache.layers:
+        return None
+    layers = []
+    for layer in cache.layers:
+        length = getattr(layer, "cumulative_length", None)
+        if type(layer) is not StaticLayer or not layer.is_initialized or not isinstance(length, torch.Tensor):
+            return None
+        layers.append((layer.keys, layer.values, length))
+    return layers
 
 
 def enable_activation_checkpointing(model, **kwargs) -> None:

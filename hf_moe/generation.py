@@ -12,11 +12,15 @@ works for hf_moe models because `MoEForCausalLM.generate` passes its keyword arg
 `prepare_generate_kwargs`. Any other model (transformers' own Mixtral, with `experts_implementation="hf_moe"` or
 not) gets the same path with `model.generate(**inputs, **fast_decode_kwargs())`.
 
-What is compiled, and when (measured in benchmarks/serve_cpu.py; the tests are tests/test_decode.py):
+What is compiled, and when (measured in benchmarks/serve_cpu.py and benchmarks/decode_profile.py; the tests are
+tests/test_decode.py):
 - only the one-token decode step (the prefill runs eagerly: its length changes with every prompt);
-- `fullgraph=True, dynamic=False`: the whole forward is one graph, specialised to the batch size and the length of
-  the static cache. The first call compiles (about a minute for a 30-layer model on 2 cores); later calls of the
-  same batch size reuse it while prompt + new tokens fit in the cache.
+- for an hf_moe model whose decoder layers are Llama's (Llama, Mistral, Qwen2, Qwen3 layers), hf_moe's fused decode
+  step (hf_moe.decode: the attention sub-block as one op); for any other model, transformers' forward;
+- `fullgraph=True, dynamic=False`: the whole step is one graph, specialised to the batch size and the length of
+  the static cache, compiled with inductor's C++ wrapper (`DECODE_OPTIONS`: its kernels called from one C++
+  function, no Python between them). The first call compiles (a minute or two for a 30-layer model on 2 cores);
+  later calls of the same batch size reuse it while prompt + new tokens fit in the cache.
 - The cache length is the call's need rounded up to a power of two, at least `MIN_CACHE_LEN`, and transformers keeps
   the longest length seen: a longer call compiles once more, for the next power of two, and shorter calls then
   reuse that graph. Over a process's life that is at most a handful of compilations (256, 512, 1024, ...).
@@ -26,19 +30,44 @@ What is compiled, and when (measured in benchmarks/serve_cpu.py; the tests are t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from transformers import CompileConfig, GenerationConfig
 
 from .compat import compile_on_every_device
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
 STATIC = "static"
+# Inductor's options for the decode step (measured in benchmarks/serve_cpu.py, docs/serving-cpu.md): the C++
+# wrapper runs the step's kernels from one C++ function, without Python between them.
+DECODE_OPTIONS = {"cpp_wrapper": True}
 
 
-def decode_compile_config() -> CompileConfig:
-    """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor, and
-    compiled on CPU too. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not
-    exist on CPU."""
-    config = CompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default")
+@dataclass
+class DecodeCompileConfig(CompileConfig):
+    """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
+    where its architecture allows, compiled with the same settings. transformers' own models ignore it."""
+
+    fused: bool = True
+
+    def to_dict(self) -> dict:
+        """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
+        config = super().to_dict()
+        config.pop("fused", None)
+        if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
+            config.pop("mode", None)
+        else:
+            config["options"] = None
+        return config
+
+
+def decode_compile_config(fused: bool = True, options: dict | None = None) -> DecodeCompileConfig:
+    """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
+    `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
+    `fused=False`. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
+    on CPU."""
+    config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
+                                 options=dict(DECODE_OPTIONS if options is None else options), fused=fused)
     return compile_on_every_device(config)
 
 
@@ -47,11 +76,12 @@ def cache_length(needed: int) -> int:
     return max(MIN_CACHE_LEN, 1 << max(needed - 1, 0).bit_length())
 
 
-def fast_decode_kwargs(max_cache_len: int = MIN_CACHE_LEN) -> dict:
+def fast_decode_kwargs(max_cache_len: int = MIN_CACHE_LEN, **config) -> dict:
     """`generate` keyword arguments of the fast decode path, for any transformers model with a static cache
     (transformers' own Mixtral included). Calls that need more than `max_cache_len` positions grow the cache, and
-    compile again, as `prepare_generate_kwargs` explains."""
-    return {"cache_implementation": STATIC, "compile_config": decode_compile_config(), "max_cache_len": max_cache_len}
+    compile again, as `prepare_generate_kwargs` explains. `config`: `decode_compile_config`'s arguments."""
+    return {"cache_implementation": STATIC, "compile_config": decode_compile_config(**config),
+            "max_cache_len": max_cache_len}
 
 
 def _asks_for_static_cache(model, kwargs: dict) -> bool:

@@ -33,17 +33,17 @@ from transformers.modeling_outputs import (
 
 from . import parallel
 from .backbone import install_moe_blocks, wrap_forward
-from .checkpoint import reading as checkpoint_reading  # (hf_moe/checkpoint/snapshot.py)
 from .checkpoint import (
     HUB_KWARGS, local_expert_view, missing_keys_error, recover_interrupted_commit, resolve_checkpoint, save_checkpoint,
-    validate_checkpoint,
+    validate_checkpoint, reading as checkpoint_reading,  # (hf_moe/checkpoint/snapshot.py)
 )
 from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
 from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
-from .generation import prepare_generate_kwargs
+from .decode import fused_decode_step
+from .generation import DecodeCompileConfig, prepare_generate_kwargs
 from .layers import SparseMoeBlock
 from .layers.adapter_experts import AdapterExperts
 from .layers.quantized import int8_expert_targets, int8_lora_message
@@ -448,6 +448,20 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
     def _add_router_losses(self, fields: dict, aux_loss, z_loss, kwargs: dict) -> None:
         if fields.get("loss") is not None:  # without labels a causal LM adds nothing: trainers that compute the
             super()._add_router_losses(fields, aux_loss, z_loss, kwargs)  # LM loss themselves add `aux_loss`
+
+    def get_compiled_call(self, compile_config):
+        """The compiled forward `generate` runs for each decoded token (transformers' `get_compiled_call`): with
+        hf_moe's decode config (`hf_moe.generation.decode_compile_config`, what a static cache gets by default),
+        the fused decode step (`hf_moe.decode`) where the architecture allows it, else transformers' own."""
+        if not (isinstance(compile_config, DecodeCompileConfig) and compile_config.fused):
+            return super().get_compiled_call(compile_config)
+        steps = self.__dict__.setdefault("_hf_moe_decode_steps", [])  # (config, step): one compilation per config
+        step = next((step for config, step in steps if config == compile_config), False)
+        if step is False:
+            step = fused_decode_step(self, compile_config.options,
+                                     lambda: super(MoEForCausalLM, self).get_compiled_call(compile_config))
+            steps.append((compile_config, step))
+        return step if step is not None else super().get_compiled_call(compile_config)
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`. Under expert parallelism every forward exchanges tokens with the other ranks,

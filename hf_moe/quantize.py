@@ -27,6 +27,7 @@ nn.Linear layers, never 3-D experts.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch import nn
@@ -40,15 +41,39 @@ from .checkpoint.guard import safe_open_file
 from .checkpoint.headers import read_header
 from .layers import Experts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size
+from .layers.quantized_linear import QuantizedLinear
 from .modeling import MoEForCausalLM, moe_model_class_for_config
 from .routing import moe_blocks
 
 METHODS = ("int8",)
 
 
-def quantization_config(method: str, group_size: int | None) -> dict:
-    """The `expert_quantization` entry of config.json."""
-    return {"quant_method": method, "bits": 8, "group_size": group_size, "symmetric": True, "scale_dtype": "float32"}
+def quantization_config(method: str, group_size: int | None, linears: bool = False) -> dict:
+    """The `expert_quantization` entry of config.json (`linears`: the other linear layers are int8 too)."""
+    config = {"quant_method": method, "bits": 8, "group_size": group_size, "symmetric": True, "scale_dtype": "float32"}
+    if linears:
+        config["linears"] = True
+    return config
+
+
+def linear_targets(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the linear layers `quantize_experts(..., linears=True)` quantizes: every `nn.Linear` but
+    the routers (and Qwen2-MoE's shared-expert gate), which decide which experts run and stay in full precision:
+    the attention projections, dense MLPs, shared experts and the LM head."""
+    keep = {id(m) for block in moe_blocks(model) for part in (block.gate, block.shared_expert_gate)
+            if part is not None for m in part.modules()}
+    return [(name, module) for name, module in model.named_modules()
+            if type(module) is nn.Linear and id(module) not in keep]
+
+
+def _untie_output_embeddings(model: nn.Module) -> None:
+    """The LM head becomes an int8 copy of the embedding it was tied to: say so in the config (and its text config,
+    for models that have one), so that transformers never ties them again (on load, or `tie_weights`)."""
+    config = model.config
+    for c in (config, config.get_text_config()):
+        c.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):  # what save_pretrained leaves out as tied duplicates
+        model.all_tied_weights_keys = {}
 
 
 def _fused_experts(module: nn.Module) -> bool:
@@ -65,17 +90,23 @@ def _fused_experts(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int | None = None) -> nn.Module:
+def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int | None = None,
+                     linears: bool = False) -> nn.Module:
     """Replace every MoE layer's experts of `model` by int8 ones (`QuantizedExperts`), in place; returns `model`.
 
     Args:
         method: "int8": weight-only, symmetric, one fp32 scale per output channel of each expert (or per group).
         group_size: None (per output channel, the default: measured to keep the quality, see docs/serving.md), or
             a multiple of 32 dividing the hidden and intermediate sizes, for one scale per group of that many inputs.
+        linears: also the other linear layers (`linear_targets`: attention projections, dense MLPs, shared experts,
+            the LM head; not the routers) become int8 (`QuantizedLinear`, the same format). A tied LM head becomes
+            an int8 copy of the embedding, which stays in full precision for the lookup.
     Records the choice in `model.config.expert_quantization`, which `save_quantized` writes to config.json.
     """
     if method not in METHODS:
         raise ValueError(f"Unknown expert quantization {method!r}; supported: {', '.join(METHODS)}.")
+    if linears:
+        _check_linears(model, group_size)
     targets = [(name, module) for name, module in model.named_modules() if _fused_experts(module)]
     if not targets:
         done = any(isinstance(m, QuantizedExperts) for m in model.modules())
@@ -94,9 +125,27 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, QuantizedExperts.from_experts(module, group_size))
         del module
+    if linears:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        for name, module in linear_targets(model):
+            model.set_submodule(name, QuantizedLinear.from_linear(module, group_size))
+            if module is head:
+                _untie_output_embeddings(model)
     if getattr(model, "config", None) is not None:
-        setattr(model.config, CONFIG_FIELD, quantization_config(method, group_size))
+        setattr(model.config, CONFIG_FIELD, quantization_config(method, group_size, linears))
     return model
+
+
+def _check_linears(model: nn.Module, group_size: int | None) -> None:
+    """Before anything changes: every target can take `group_size`, and no PEFT adapter wraps one."""
+    targets = linear_targets(model)
+    for name, module in targets:
+        if group_size is not None and module.in_features % group_size:
+            raise ValueError(f"group_size={group_size} does not divide {name}'s {module.in_features} inputs: pick a "
+                             "group size that divides every linear layer's input size, or None (per channel).")
+    if any(hasattr(m, "base_layer") for m in model.modules()):
+        raise ValueError("The model has PEFT adapters on its linear layers: merge them first "
+                         "(model.merge_and_unload()), then quantize the linear layers.")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -162,12 +211,16 @@ def load_quantized(directory: str | os.PathLike, *, verify_checksums: bool = Tru
         weight_map, _ = read_index(directory)
         expected = _expected_quantized_tensors(directory, config, weight_map, group_size)
         model_class = moe_model_class_for_config(config)
+        linears = _linear_layout(model_class, config) if settings.get("linears") else {}
+        linear_keys = _expected_linear_tensors(linears, group_size)
+        _check_headers(directory, weight_map, linear_keys, "int8 linear")
         with local_expert_view(directory, 0, 0) as view:  # the non-expert files only
-            skeleton = _with_placeholder_experts(model_class)
+            skeleton = _with_placeholders(model_class, tuple(linears))
             model = skeleton.from_pretrained(view, config=config, _validated=True, **kwargs)
         model.__class__ = model_class
         model.config.name_or_path = name
         _read_experts(directory, model, config, weight_map, expected, group_size)
+        _read_linears(directory, model, weight_map, linears, group_size)
     return model
 
 
@@ -188,9 +241,16 @@ def _expected_quantized_tensors(directory: str, config, weight_map: dict[str, st
                 expected[f"{prefix}.{e}.{name}_scale"] = ("F32", scale)
                 if config.expert_bias:
                     expected[f"{prefix}.{e}.{name}_bias"] = (None, [rows[name]])
+    _check_headers(directory, weight_map, expected, "int8 expert")
+    return expected
+
+
+def _check_headers(directory: str, weight_map: dict[str, str], expected: dict[str, tuple], what: str) -> None:
+    """Every key of `expected` ({key: (safetensors dtype or None for any floating type, shape)}) is in the index,
+    with that dtype and shape in its file's header."""
     missing = [key for key in expected if key not in weight_map]
     if missing:
-        raise CheckpointError(f"{directory} lacks {len(missing)} int8 expert tensor(s), e.g. {missing[0]}: the save "
+        raise CheckpointError(f"{directory} lacks {len(missing)} {what} tensor(s), e.g. {missing[0]}: the save "
                               "was incomplete. Save the model again.")
     headers = {}
     for key, (dtype, shape) in expected.items():
@@ -204,6 +264,23 @@ def _expected_quantized_tensors(directory: str, config, weight_map: dict[str, st
                 f"{filename} stores {key} as {meta['dtype']} {meta['shape']}, but config.json's {CONFIG_FIELD} "
                 f"makes it {dtype or 'floating point'} {shape}. Restore the file, or save the model again."
             )
+
+
+def _linear_layout(model_class: type, config) -> dict[str, tuple[int, int, bool]]:
+    """{name: (in_features, out_features, has_bias)} of the linear layers `quantize_experts(..., linears=True)`
+    made int8 in a model of this config (`linear_targets`, on a model built on the meta device)."""
+    with torch.device("meta"):
+        shell = model_class(config)
+    return {name: (m.in_features, m.out_features, m.bias is not None) for name, m in linear_targets(shell)}
+
+
+def _expected_linear_tensors(linears: dict, group_size) -> dict[str, tuple]:
+    expected = {}
+    for name, (inputs, outputs, bias) in linears.items():
+        expected[f"{name}.weight"] = ("I8", [outputs, inputs])
+        expected[f"{name}.weight_scale"] = ("F32", [outputs] if group_size is None else [outputs, inputs // group_size])
+        if bias:
+            expected[f"{name}.bias"] = (None, [outputs])
     return expected
 
 
@@ -211,22 +288,28 @@ class _PlaceholderExperts(nn.Module):
     """Holds a layer's place while the rest of the model loads: no tensors, so transformers expects none."""
 
 
-_SKELETONS: dict[type, type] = {}
+_SKELETONS: dict[tuple, type] = {}
 
 
-def _with_placeholder_experts(model_class: type) -> type:
-    """A subclass of `model_class` whose instances swap each MoE block's experts for a placeholder as soon as they
-    are built (on the meta device, inside from_pretrained): no expert weight is allocated or expected."""
-    if model_class not in _SKELETONS:
+def _with_placeholders(model_class: type, linears: tuple[str, ...] = ()) -> type:
+    """A subclass of `model_class` whose instances swap each MoE block's experts, and the linear layers named in
+    `linears`, for placeholders as soon as they are built (on the meta device, inside from_pretrained): no expert
+    or int8 layer weight is allocated or expected."""
+    if (model_class, linears) not in _SKELETONS:
 
         def __init__(self, config, *args, **kwargs):
             model_class.__init__(self, config, *args, **kwargs)
             for block in moe_blocks(self):
                 block.experts = _PlaceholderExperts()
+            for name in linears:
+                self.set_submodule(name, _PlaceholderExperts())
 
-        _SKELETONS[model_class] = type(model_class.__name__, (model_class,), {
-            "__init__": __init__, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__})
-    return _SKELETONS[model_class]
+        # the int8 linear layers' tensors are read below, as the experts' are: transformers leaves them
+        ignored = [f"^{re.escape(name)}\\.(weight|weight_scale|bias)$" for name in linears]
+        _SKELETONS[model_class, linears] = type(model_class.__name__, (model_class,), {
+            "__init__": __init__, "__module__": model_class.__module__, "__qualname__": model_class.__qualname__,
+            "_keys_to_ignore_on_load_unexpected": [*(model_class._keys_to_ignore_on_load_unexpected or []), *ignored]})
+    return _SKELETONS[model_class, linears]
 
 
 @torch.no_grad()
@@ -251,3 +334,20 @@ def _read_experts(directory: str, model, config, weight_map: dict[str, str], exp
     device = next(model.parameters()).device
     for block, experts in zip(blocks, quantized, strict=True):
         block.experts = experts.to(device)
+
+
+@torch.no_grad()
+def _read_linears(directory: str, model, weight_map: dict[str, str], linears: dict, group_size) -> None:
+    """Build each int8 linear layer (`QuantizedLinear`) from its tensors (checked by `_check_headers`)."""
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    for name, (inputs, outputs, bias) in linears.items():
+        module = QuantizedLinear(inputs, outputs, bias, group_size, bias_dtype=dtype)
+        for attr in ("weight", "weight_scale", "bias") if bias else ("weight", "weight_scale"):
+            key = f"{name}.{attr}"
+            with safe_open_file(directory, weight_map[key], INDEX_NAME) as f:
+                tensor = f.get_tensor(key)
+            if attr == "weight_scale" and not (torch.isfinite(tensor).all() and (tensor >= 0).all()):
+                raise CheckpointError(f"{weight_map[key]} is corrupt: {key} holds negative or non-finite scales.")
+            getattr(module, attr).copy_(tensor)
+        model.set_submodule(name, module.to(device))

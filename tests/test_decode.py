@@ -113,7 +113,7 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
         eager = [greedy(moe, ids, n) for ids, n in calls]
     with RecompileLog() as log:
         fast = [greedy(moe, *calls[0], cache_implementation="static")]  # compiles, then reuses for every step
-        assert hasattr(moe, "_compiled_call")  # transformers' auto-compile ran, on CPU
+        assert moe._hf_moe_decode_steps[0][1] is not None  # the auto-compile ran on CPU, with hf_moe's fused step
         with torch.compiler.set_stance("fail_on_recompile"):  # from here on, any compilation raises
             fast += [greedy(moe, ids, n, cache_implementation="static") for ids, n in calls[1:]]
             generate = pipeline("text-generation", model=moe, tokenizer=tokenizer)
@@ -263,3 +263,71 @@ def test_cli_generate_with_a_static_cache_streams_the_default_paths_tokens(tmp_p
         assert "decode" in err and "tok/s" in err
         texts.append(out.strip())
     assert texts[0] and texts[0] == texts[1]
+
+
+# ------------------------------------------------------------------------------------------ the fused decode step
+def converted_family(model_type: str, seed: int = 0, layers=None):
+    torch.manual_seed(seed)
+    dense = tiny_dense(model_type, seed=seed)
+    return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.1, verify=False, layers=layers).eval()
+
+
+def test_the_fused_step_says_which_models_it_runs_and_why_not_the_others():
+    from hf_moe.decode import unsupported
+
+    for family in ("llama", "qwen2", "qwen3"):
+        assert unsupported(converted_family(family)) is None, family
+    assert "sliding window" in unsupported(converted_family("mistral"))  # tiny mistral: sliding_window=6
+    assert "GemmaModel" in unsupported(converted_family("gemma"))
+    assert "float16" in unsupported(converted_family("llama").half())
+
+
+@pytest.mark.slow
+def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompiles():
+    """The fused decode step (hf_moe.decode) runs for every decoded token of a left-padded batch of Qwen3 (q/k
+    norms; Llama: the tests above; the kernel's tests cover Qwen2's biases), a dense layer among the MoE ones, and
+    gives the eager path's greedy tokens and scores; a second call reuses its graph."""
+    torch.compiler.reset()
+    moe = converted_family("qwen3", layers=[0, 2])  # layer 1 keeps its dense MLP
+    ids = random_ids(2, 9, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=5, min_new_tokens=5, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)
+    with torch.compiler.set_stance("force_eager"):
+        eager = moe.generate(ids, **kwargs)
+    with RecompileLog() as log:
+        fast = moe.generate(ids, cache_implementation="static", **kwargs)
+        steps = [step for _, step in moe._hf_moe_decode_steps]
+        assert len(steps) == 1 and steps[0] is not None  # the fused step, not transformers' compiled forward
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again = moe.generate(random_ids(2, 9, seed=6), cache_implementation="static", **kwargs)
+    assert not log.recompiled, "\n".join(log.lines)
+    assert not hasattr(moe, "_compiled_call")  # transformers' compiled forward never ran
+    assert torch.equal(eager.sequences, fast.sequences) and again.sequences.shape == fast.sequences.shape
+    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_int8_linears_decode_fused_with_the_eager_int8_tokens():
+    """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; the fused step
+    runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens."""
+    torch.compiler.reset()
+    moe = converted().to(torch.bfloat16)
+    hf_moe.quantize_experts(moe, "int8", linears=True)
+    ids = random_ids(1, 10, seed=4)
+    with torch.compiler.set_stance("force_eager"):
+        eager = greedy(moe, ids, 6)
+    fast = greedy(moe, ids, 6, cache_implementation="static")
+    assert moe._hf_moe_decode_steps[0][1] is not None
+    assert torch.equal(eager.sequences, fast.sequences)
+    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
+
+
+def test_unsupported_models_decode_with_transformers_compiled_step():
+    """A model the fused step does not cover (gemma's layer) compiles transformers' own decode step, as before."""
+    from hf_moe.generation import decode_compile_config
+
+    moe = converted_family("gemma")
+    call = moe.get_compiled_call(decode_compile_config())
+    assert moe._hf_moe_decode_steps == [(decode_compile_config(), None)] and call is moe._compiled_call

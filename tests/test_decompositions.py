@@ -121,6 +121,47 @@ def test_torch_and_triton_namespace_ops_equal_their_decompositions():
            reference=torch.ops.hf_moe.moe_experts_forward.default, what="hf_moe_triton::moe_experts_forward")
 
 
+def _decode_calls():
+    """(op name, args) for the decode step's ops (hf_moe/ops/decode.py): fp32 and int8 weights (a scale per row, per
+    group), with and without bias, a mask or not, Qwen3's q/k norms; grouped-query heads on a static cache."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    x, w, bias = randn(3, 64), randn(12, 64), randn(12)
+    row, group = quantize_int8(w, group_size=None), quantize_int8(w, group_size=32)
+    calls = [("linear_infer", (x, w, None, bias)), ("linear_infer", (x, *row, None)),
+             ("linear_infer", (x, *group, bias))]
+    batch, hidden, q_heads, kv_heads, head_dim, length = 2, 16, 4, 2, 4, 6
+    angles = randn(batch, head_dim)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[0, :2] = False  # a left-padded row
+    for int8, qk_norm, with_mask in [(False, False, False), (True, True, True)]:
+        def proj(out, inp):
+            weight = randn(out, inp) * inp ** -0.5
+            return (*quantize_int8(weight), randn(out)) if int8 else (weight, None, None)
+
+        args = (randn(batch, hidden), 1 + randn(hidden), 1e-5, *proj(q_heads * head_dim, hidden),
+                *proj(kv_heads * head_dim, hidden), *proj(kv_heads * head_dim, hidden),
+                *proj(hidden, q_heads * head_dim), 1 + randn(head_dim) if qk_norm else None,
+                1 + randn(head_dim) if qk_norm else None, 1e-6, angles.cos(), angles.sin(),
+                randn(batch, kv_heads, length, head_dim), randn(batch, kv_heads, length, head_dim),
+                torch.tensor(3), mask if with_mask else None, head_dim ** -0.5, 1 + randn(hidden), 1e-5)
+        calls.append(("decode_attention_block", args))
+    return calls
+
+
+def test_decode_ops_equal_their_decompositions():
+    """linear_infer and decode_attention_block (which writes the caches in place: op and decomposition write the
+    same values at the same position, so the second call reads what the first left)."""
+    table = torch._decomp.decomposition_table
+    for name, args in _decode_calls():
+        op = getattr(torch.ops.hf_moe, name).default
+        assert op in table, f"hf_moe::{name} has no decomposition"
+        _check(op, table[op], args, what=f"hf_moe::{name}")
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, op, quantized: bool):
         super().__init__()

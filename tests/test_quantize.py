@@ -395,3 +395,45 @@ def test_quantized_expert_choice_equals_a_loop_over_the_dequantized_experts(glu,
             y = weights["down_proj"][e] @ a + (quantized.down_proj_bias[e] if bias else 0)
             expected[token] += gates[e, slot] * y
     torch.testing.assert_close(quantized.expert_choice(x, index, gates), expected, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 linear layers (quantize_experts(..., linears=True))
+# ----------------------------------------------------------------------------------------------------------------
+def test_int8_linears_keep_the_logits_close_and_save_and_load(tmp_path):
+    """linears=True: the attention projections, the dense MLP of a layer left dense, and the LM head (tied to the
+    embedding: an int8 copy, the embedding stays fp32) become int8; the routers do not. The logits stay within the
+    int8 experts' bound; the model saves per expert and loads back with the same logits (fp32 scales in bf16 too)."""
+    from hf_moe.layers.quantized_linear import QuantizedLinear
+
+    dense = tiny_dense("llama", tie_word_embeddings=True)
+    model = hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, layers=[0, 2]).eval()
+    ids = random_ids()
+    with torch.no_grad():
+        want = model(ids).logits
+    quantize_experts(model, "int8", linears=True)
+    int8 = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    layer = "model.layers.1"
+    assert {"lm_head", f"{layer}.self_attn.q_proj", f"{layer}.mlp.down_proj"} <= int8 and len(int8) == 3 * 4 + 3 + 1
+    assert not any(".gate." in name or name.endswith(".gate") for name in int8)
+    assert model.model.embed_tokens.weight.dtype == torch.float32 and not model.config.tie_word_embeddings
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    save_quantized(model, tmp_path / "q")
+    header = read_safetensors_header(tmp_path / "q" / "model-00001-of-00001.safetensors")
+    assert header["lm_head.weight"]["dtype"] == "I8" and header["lm_head.weight_scale"]["dtype"] == "F32"
+    assert json.loads((tmp_path / "q" / "config.json").read_text())[CONFIG_FIELD]["linears"] is True
+    loaded = load_quantized(tmp_path / "q").eval()
+    assert {name for name, m in loaded.named_modules() if isinstance(m, QuantizedLinear)} == int8
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, got)
+    half = load_quantized(tmp_path / "q", dtype=torch.bfloat16).eval()
+    assert half.lm_head.weight_scale.dtype == torch.float32 and half.lm_head.weight.dtype == torch.int8
+    with pytest.raises(CheckpointError, match="int8 linear layers"):
+        hf_moe.MoEForCausalLM.from_pretrained(tmp_path / "q", offload_experts="disk", max_expert_memory="1MiB")
+
+
+def test_int8_linears_refuse_a_group_size_that_does_not_divide_a_layer():
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_experts(_moe(), "int8", group_size=64 * 3, linears=True)

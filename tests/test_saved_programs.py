@@ -76,16 +76,17 @@ def test_saved_program_loads_in_a_fresh_process(which, backend, op, tmp_path):
 def test_import_defines_every_op_without_building():
     """After `import hf_moe`, with HF_MOE_BACKEND=torch (nothing may be built), every op of the three namespaces
     resolves, with a schema; triton is not needed to define the Triton ones. (The inference op moe_experts_infer has
-    no Triton twin.)"""
+    no Triton twin, nor do the decode step's ops, linear_infer and decode_attention_block.)"""
     code = textwrap.dedent(
         """
         import torch
         import hf_moe
-        from hf_moe.ops import library
+        from hf_moe.ops import decode, library
 
         names = [f"hf_moe::{name}" for name in library.SCHEMAS]
         names += [f"hf_moe_torch::{name}" for name in ("grouped_mm", "grouped_mm_weight_grad")]
-        names += [f"hf_moe_triton::{name}" for name in library.SCHEMAS if name != "moe_experts_infer"]
+        names += [f"hf_moe_triton::{name}" for name in library.SCHEMAS
+                  if name != "moe_experts_infer" and name not in decode.SCHEMAS]
         for name in names:
             ns, op = name.split("::")
             print(name, getattr(getattr(torch.ops, ns), op).default._schema)
@@ -93,4 +94,4 @@ def test_import_defines_every_op_without_building():
     )
     done = _run(code, backend="torch")
     assert done.returncode == 0, done.stderr[-4000:]
-    assert len(done.stdout.splitlines()) == 10 + 2 + 9, done.stdout  # (moe_experts_infer: CPU only, no Triton twin)
+    assert len(done.stdout.splitlines()) == 12 + 2 + 9, done.stdout  # (CPU-only ops have no Triton twin)

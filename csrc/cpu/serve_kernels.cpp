@@ -6,6 +6,7 @@
 // for AVX-512 can be merged by the linker with a copy that a non-AVX-512 caller would run.
 
 #include "serve_kernels.h"
+#include "simd_avx512.h"
 
 #include <immintrin.h>
 
@@ -142,9 +143,7 @@ void gemm_bf16_portable(const uint16_t* w, int64_t ldw, int cols, const uint16_t
 // ---------------------------------------------------------------------------------------------------------------
 // AVX-512 with BF16
 // ---------------------------------------------------------------------------------------------------------------
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HF_MOE_HAS_AVX512_KERNELS 1
-#define HF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#ifdef HF_MOE_HAS_AVX512_KERNELS  // (simd_avx512.h)
 
 // Four horizontal sums at once: [sum(a), sum(b), sum(c), sum(d)].
 HF_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -301,13 +300,12 @@ HF_AVX512 inline __m512 dequant16(const int8_t* q, __mmask16 mask, __m512 sv) {
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sv);
 }
 
-HF_AVX512 inline __mmask16 tail16(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
-}
 
 // Quarter P of a cache line of int8 weights (16 of its 64) of each of NR rows, dequantized and multiplied into the
-// MR x NR accumulators.
-template <int P, int MR, int NR>
+// MR x NR accumulators. kScaled: times the group's scale here; else (one scale per row) the scale multiplies the
+// finished sums instead, one multiply per output rather than per weight: sum(x q) s, where dequantize-then-matmul
+// computes sum(x (q s)); the two differ by fp32 rounding.
+template <int P, int MR, int NR, bool kScaled>
 HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR], const float* x, int64_t ldx,
                               int64_t c, __m512 (&acc)[MR][NR]) {
   __m512 wv[NR];
@@ -316,7 +314,8 @@ HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR]
     __m128i bytes;
     if constexpr (P == 0) bytes = _mm512_castsi512_si128(lines[j]);
     else bytes = _mm512_extracti32x4_epi32(lines[j], P);
-    wv[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), sv[j]);
+    wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    if constexpr (kScaled) wv[j] = _mm512_mul_ps(wv[j], sv[j]);
   }
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {
@@ -327,8 +326,9 @@ HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR]
 }
 
 // One register tile of int8 weights: MR fp32 activation rows against NR int8 rows, each 16 weights dequantized in
-// registers (q * scale, fp32) and used by all MR rows.
-template <int MR, int NR>
+// registers (q * scale, fp32; with one scale per row (kScaled false), q, the scale applied to the sums) and used by
+// all MR rows.
+template <int MR, int NR, bool kScaled>
 HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t ldq, const float* scale,
                            int64_t ld_scale, int64_t group, int64_t k, float* out, int64_t ldo) {
   __m512 acc[MR][NR];
@@ -340,7 +340,7 @@ HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t
     const int64_t end = std::min(k, g0 + group);
     __m512 sv[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) sv[j] = _mm512_set1_ps(scale[j * ld_scale + g0 / group]);
+    for (int j = 0; j < NR; ++j) sv[j] = _mm512_set1_ps(kScaled ? scale[j * ld_scale + g0 / group] : 1.0f);
     int64_t c = g0;
     // A cache line (64 weights) of every row per step: streaming several rows 16 bytes at a time starves the
     // hardware prefetchers (measured: 3x slower from memory than cache-line steps).
@@ -351,13 +351,13 @@ HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t
         lines[j] = _mm512_loadu_si512(q + j * ldq + c);
         prefetch_row(q + j * ldq, c);
       }
-      q8_part<0, MR, NR>(lines, sv, x, ldx, c, acc);
-      q8_part<1, MR, NR>(lines, sv, x, ldx, c, acc);
-      q8_part<2, MR, NR>(lines, sv, x, ldx, c, acc);
-      q8_part<3, MR, NR>(lines, sv, x, ldx, c, acc);
+      q8_part<0, MR, NR, kScaled>(lines, sv, x, ldx, c, acc);
+      q8_part<1, MR, NR, kScaled>(lines, sv, x, ldx, c, acc);
+      q8_part<2, MR, NR, kScaled>(lines, sv, x, ldx, c, acc);
+      q8_part<3, MR, NR, kScaled>(lines, sv, x, ldx, c, acc);
     }
     for (; c < end; c += 16) {
-      const __mmask16 mask = tail16(end - c);
+      const __mmask16 mask = lanes16(end - c);
       __m512 wv[NR];
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) wv[j] = dequant16(q + j * ldq + c, mask, sv[j]);
@@ -367,6 +367,14 @@ HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
       }
+    }
+  }
+  if constexpr (!kScaled) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512 s = _mm512_set1_ps(scale[j * ld_scale]);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_mul_ps(acc[m][j], s);
     }
   }
   store_tile<MR, NR>(acc, out, ldo);
@@ -379,7 +387,9 @@ HF_AVX512 void dot_q8_avx512(const float* x, int64_t ldx, int64_t rows, const in
     const int mr = static_cast<int>(std::min<int64_t>(kTile, rows - m0));
     const float* xm = x + m0 * ldx;
     float* om = out + m0 * ldo;
-#define HF_MOE_Q8(MR, NR) dot_tile_q8<MR, NR>(xm, ldx, q, ldq, scale, ld_scale, group, k, om, ldo)
+#define HF_MOE_Q8(MR, NR)                                                          \
+  if (group >= k) dot_tile_q8<MR, NR, false>(xm, ldx, q, ldq, scale, ld_scale, group, k, om, ldo); \
+  else dot_tile_q8<MR, NR, true>(xm, ldx, q, ldq, scale, ld_scale, group, k, om, ldo)
 #define HF_MOE_Q8_COLS(MR)                       \
   switch (cols) {                                \
     case 1: HF_MOE_Q8(MR, 1); break;             \
@@ -408,7 +418,7 @@ HF_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* sca
       const int64_t end = std::min(k, g0 + group);
       const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
       for (int64_t c = g0; c < end; c += 16) {
-        const __mmask16 mask = tail16(end - c);
+        const __mmask16 mask = lanes16(end - c);
         _mm512_mask_storeu_ps(d + c, mask, dequant16(qr + c, mask, sv));
       }
     }
@@ -431,7 +441,7 @@ HF_AVX512 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* sc
         _mm512_storeu_si512(d + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       }
       for (; c < end; c += 16) {
-        const __mmask16 mask = tail16(end - c);
+        const __mmask16 mask = lanes16(end - c);
         const __m256bh v = _mm512_cvtneps_pbh(dequant16(qr + c, mask, sv));
         _mm256_mask_storeu_epi16(d + c, mask, (__m256i)v);
       }
@@ -445,23 +455,6 @@ HF_AVX512 void to_bf16_avx512(const float* src, int64_t n, uint16_t* dst) {
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
     _mm256_mask_storeu_epi16(dst + i, mask, (__m256i)v);
   }
-}
-
-// e^x to about 1 ulp over fp32's range (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial).
-HF_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447504019f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 HF_AVX512 inline __m512 act512(__m512 g, Activation act) {
@@ -616,12 +609,6 @@ HF_AVX512 void gemm_bf16_avx512(const uint16_t* w, int64_t ldw, int cols, const 
   gemm_all<uint16_t, GemmBF16>(w, ldw, cols, packed, ld, rows, k, out, ldo);
 }
 
-bool cpu_has_avx512_bf16() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 #endif
 
 const Kernels kPortable{"portable",        dot_f32_portable,  dot_bf16_portable,  dot_q8_portable, dequant_f32_portable,
@@ -635,15 +622,24 @@ const Kernels kAvx512{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  do
 
 }  // namespace
 
-const Kernels& serve_kernels(const std::string& name) {
-  if (name == "portable") return kPortable;
+bool avx512_kernels(const std::string& name) {
+  if (name == "portable") return false;
   TORCH_CHECK(name == "auto" || name == "avx512_bf16", "hf_moe: unknown kernel set '", name,
               "' (auto, avx512_bf16 or portable)");
 #ifdef HF_MOE_HAS_AVX512_KERNELS
   static const bool avx512 = cpu_has_avx512_bf16();
-  if (avx512) return kAvx512;
+  if (avx512) return true;
 #endif
   TORCH_CHECK(name == "auto", "hf_moe: this CPU lacks AVX-512 with BF16; use the 'auto' or 'portable' kernels");
+  return false;
+}
+
+const Kernels& serve_kernels(const std::string& name) {
+#ifdef HF_MOE_HAS_AVX512_KERNELS
+  if (avx512_kernels(name)) return kAvx512;
+#else
+  avx512_kernels(name);  // (checks the name)
+#endif
   return kPortable;
 }
 

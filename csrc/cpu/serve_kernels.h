@@ -59,5 +59,9 @@ struct Kernels {
 // The best kernels for this CPU; `name` "portable" forces the portable ones (tests, benchmarks), "auto" picks.
 const Kernels& serve_kernels(const std::string& name = "auto");
 
+// Whether the kernel set `name` names is the AVX-512 one: "auto" on a CPU with AVX-512 BF16, or "avx512_bf16"
+// (an error on a CPU without it); false for "portable"; an error for any other name.
+bool avx512_kernels(const std::string& name);
+
 }  // namespace serve
 }  // namespace hf_moe

@@ -14,8 +14,8 @@ import os
 import torch
 
 from ..checkpoint import (
-    HUB_KWARGS, checkpoint_config, local_expert_view, reading, recover_interrupted_commit, resolve_checkpoint,
-    validate_checkpoint, validate_files,
+    HUB_KWARGS, CheckpointError, checkpoint_config, local_expert_view, reading, recover_interrupted_commit,
+    resolve_checkpoint, validate_checkpoint, validate_files,
 )
 from ..configuration import MoEConfig
 from ..layers.quantized import CONFIG_FIELD as QUANTIZATION_FIELD
@@ -102,6 +102,11 @@ def load_offloaded(model_class, pretrained_model_name_or_path, *model_args, expe
         if getattr(saved, QUANTIZATION_FIELD, None) is None:
             validate_checkpoint(directory)
         else:  # int8 experts (hf_moe.quantize): DiskExperts checks their header entries below, transformers the rest
+            if (getattr(saved, QUANTIZATION_FIELD) or {}).get("linears"):
+                raise CheckpointError(
+                    f"{directory} holds int8 linear layers besides its int8 experts (quantize_experts(..., "
+                    "linears=True)), which offloading does not load: load it whole with hf_moe.load_quantized, or "
+                    "save a model quantized with linears=False to offload its experts.")
             validate_files(directory)
         config = kwargs.pop("config", None)
         if not isinstance(config, MoEConfig):

@@ -19,6 +19,8 @@ symbolic sizes: no host read, no loop whose trip count depends on the data, no s
     sort_by_expert, permute, unpermute, expert_act, expert_act_backward
                                              the pure-torch ops of reference.py (already traceable)
     moe_experts_backward                     experts.composed_backward over the functions above
+    linear_infer, decode_attention_block     the decode step's ops: their pure-torch references (decode.py), int8
+                                             weights dequantized, the caches written with index_copy_
 
 (The C++ extension's `hf_moe::serve_isa() -> str` names the kernel set of this CPU: it has no tensor to compute,
 and a program only ever holds it as a dead node, which the exporters drop.)
@@ -30,6 +32,7 @@ import torch
 
 from ..compat import register_decomposition
 from . import dense
+from .decode import decode_attention_block_reference, linear_infer_reference
 from .experts import DispatchOps, composed_backward
 from .int8 import compute_weights
 from .reference import expert_act, expert_act_backward, permute, sort_by_expert, unpermute
@@ -108,6 +111,8 @@ DECOMPOSITIONS = {
     **{op.__name__: op for op in (sort_by_expert, permute, unpermute, expert_act, expert_act_backward)},
     **{op.__name__: op for op in (grouped_mm, grouped_mm_weight_grad, moe_experts_forward, moe_experts_backward,
                                   moe_experts_infer)},
+    "linear_infer": linear_infer_reference,
+    "decode_attention_block": decode_attention_block_reference,
 }
 
 

@@ -8,6 +8,8 @@ and runs in any process that has done `import hf_moe`, whichever backend traced 
                      reaches a default kernel first loads the extension (building it once, as a model's first call
                      would; never under HF_MOE_BACKEND=torch) and then runs its kernel, or the pure-torch one when
                      the extension cannot be built.
+                     The decode step's ops (linear_infer, decode_attention_block) are defined the same way,
+                     from decode.py.
     hf_moe_torch::   the pure-torch loops over row groups (reference.py, defined when it is imported)
     hf_moe_triton::  the Triton ops (triton/ops.py: defined without importing triton, which runs when an op does)
 
@@ -26,6 +28,7 @@ from .reference import (
     expert_act, expert_act_backward, grouped_mm, grouped_mm_weight_grad, permute, sort_by_expert, unpermute,
 )
 from .autograd import register_composable, register_experts
+from . import decode
 from .decompositions import register as register_decompositions
 from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
 from .extension import backend_setting, load_extension
@@ -81,6 +84,7 @@ TORCH_KERNELS = {
     "moe_experts_forward": reference_forward,
     "moe_experts_backward": reference_backward,
     "moe_experts_infer": reference_infer,
+    **decode.TORCH_KERNELS,
 }
 
 # A FRAGMENT, so the C++ extension's registrations (TORCH_LIBRARY_IMPL, csrc/) add to it in any order.
@@ -150,8 +154,11 @@ def _register_fake_kernels() -> None:
     torch.library.register_fake(lib + "moe_experts_forward", fused_forward_fake, lib=_LIB)
     torch.library.register_fake(lib + "moe_experts_backward", fused_backward_fake, lib=_LIB)
     torch.library.register_fake(lib + "moe_experts_infer", infer_fake, lib=_LIB)
+    for name, fake in decode.FAKE_KERNELS.items():
+        torch.library.register_fake(lib + name, fake, lib=_LIB)
 
 
+SCHEMAS.update(decode.SCHEMAS)  # the decode step's ops (inference only; decode.py)
 for _name, _schema in SCHEMAS.items():
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _default_kernel(_name), "CompositeExplicitAutograd")

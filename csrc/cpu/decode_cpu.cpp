@@ -1,0 +1,478 @@
+// The decode step's own kernels, inference only (the ops are defined in hf_moe/ops/library.py; pure-torch
+// references in hf_moe/ops/decode.py, which the tests compare them with):
+//
+//   hf_moe::linear_infer(x [N, K], weight [O, K], weight_scale?, bias?) -> [N, O]
+//       a linear layer with fp32, bf16 or int8 weights (weight-only: fp32 scales per output row [O] or per group of
+//       inputs [O, G]). A few rows (decoding): every weight row is read once, the rows split over all threads, on the
+//       dot-product kernels of the experts op (serve_kernels.h); more rows: ATen's GEMM on the (dequantized) weight.
+//
+//   hf_moe::decode_attention_block(...) -> (hidden [B, H], normed [B, H])
+//       one token's attention sub-block of a Llama-style decoder layer over a static KV cache, in one call and one
+//       parallel region: RMSNorm of the layer input, the q/k/v projections (+ biases), per-head RMSNorm of q and k
+//       (Qwen3), the rotary embedding, the write of k and v into the cache at `position`, attention over the cache
+//       positions the mask allows (grouped-query heads, split over positions and merged as flash-decoding does),
+//       the o projection, the residual add, and the RMSNorm of the MLP's input.
+//
+// Roundings: with bf16 activations every intermediate the eager model rounds to bf16 (the normalised input, each
+// projection, each product and the sum of the rotary embedding, the cache entries, the attention output, the
+// residual sum) is rounded here at the same point, so the decode follows the eager model's greedy tokens;
+// everything else is computed in fp32, as ATen's kernels do. With fp32 activations nothing is rounded.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../hf_moe.h"
+#include "decode_kernels.h"
+#include "serve_kernels.h"
+
+namespace hf_moe {
+namespace {
+
+using serve::AttentionKernels;
+using serve::Kernels;
+using serve::kTile;
+
+constexpr int64_t kMaxDecodeRows = 16;  // activation rows up to which linear_infer runs the dot kernels
+constexpr int64_t kRowBlock = 16;       // weight rows per parallel task
+constexpr int64_t kMinChunk = 16;       // cache positions per attention task, at least
+
+// A linear layer's weight [O, K] (fp32, bf16, or int8 with fp32 scales) and optional bias [O].
+struct LinearWeight {
+  const char* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t out = 0, k = 0;
+  const float* scale = nullptr;
+  int64_t ld_scale = 1, group = 1;
+  at::Tensor bias;  // fp32, contiguous, or undefined
+};
+
+LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& bias, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), name, ": the weight must be a contiguous [out, in] tensor, got ",
+              w.sizes());
+  const auto t = w.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar, name,
+              ": weights must be fp32, bf16 or int8 (with scales), got ", t);
+  LinearWeight lw;
+  lw.data = static_cast<const char*>(w.data_ptr());
+  lw.dtype = t;
+  lw.out = w.size(0);
+  lw.k = w.size(1);
+  lw.group = lw.k;
+  if (t == at::kChar) {
+    TORCH_CHECK(scale.has_value(), name, ": an int8 weight needs its fp32 scales ([out] or [out, groups])");
+    const auto& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && (s.dim() == 1 || s.dim() == 2) &&
+                    s.size(0) == lw.out, name, ": scales must be a contiguous fp32 [", lw.out, "] or [", lw.out,
+                ", groups] tensor, got ", s.scalar_type(), " ", s.sizes());
+    if (s.dim() == 2) {
+      const int64_t groups = s.size(1);
+      TORCH_CHECK(groups > 0 && lw.k % groups == 0 && (lw.k / groups) % 32 == 0, name, ": ", groups,
+                  " scale groups over ", lw.k, " inputs; each group must span a multiple of 32 inputs");
+      lw.ld_scale = groups;
+      lw.group = lw.k / groups;
+    }
+    lw.scale = s.data_ptr<float>();
+  } else {
+    TORCH_CHECK(!scale.has_value(), name, ": scales are given but the weight is ", t, ", not int8");
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == lw.out, name, ": the bias must have ", lw.out, " values, got ", bias->sizes());
+    lw.bias = bias->to(at::kFloat).contiguous();
+  }
+  return lw;
+}
+
+// out[m * ldo + j] = x_m . w_(r0 + j) for j < cols <= kTile and the n activation rows: fp32 rows `xf` for fp32 and
+// int8 weights, bf16 rows `xb` (bits) for bf16 weights, both with row stride w.k.
+void linear_tile(const Kernels& kn, const LinearWeight& w, const float* xf, const uint16_t* xb, int64_t n, int64_t r0,
+                 int cols, float* out, int64_t ldo) {
+  const int64_t k = w.k;
+  if (w.dtype == at::kFloat) {
+    kn.dot_f32(xf, k, n, reinterpret_cast<const float*>(w.data) + r0 * k, k, cols, k, out, ldo);
+  } else if (w.dtype == at::kBFloat16) {
+    kn.dot_bf16(xb, k, n, reinterpret_cast<const uint16_t*>(w.data) + r0 * k, k, cols, k, out, ldo);
+  } else {
+    kn.dot_q8(xf, k, n, reinterpret_cast<const int8_t*>(w.data) + r0 * k, k, w.scale + r0 * w.ld_scale, w.ld_scale,
+              w.group, cols, k, out, ldo);
+  }
+}
+
+// Rows [r0, r0 + rows) of the layer for the n activation rows into out[m * ldo + r - r0] (fp32, bias added).
+void linear_block(const Kernels& kn, const LinearWeight& w, const float* xf, const uint16_t* xb, int64_t n,
+                  int64_t r0, int64_t rows, float* out, int64_t ldo) {
+  for (int64_t j = 0; j < rows; j += kTile) {
+    const int cols = static_cast<int>(std::min<int64_t>(kTile, rows - j));
+    linear_tile(kn, w, xf, xb, n, r0 + j, cols, out + j, ldo);
+  }
+  if (w.bias.defined()) {
+    const float* b = w.bias.data_ptr<float>() + r0;
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t j = 0; j < rows; ++j) out[m * ldo + j] += b[j];
+  }
+}
+
+inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
+
+inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }
+
+// The activations of the model, read and written as fp32 values: every value written is rounded to the dtype.
+struct Values {
+  bool bf16;
+  float round(float v) const { return bf16 ? bf16_round(v) : v; }
+  float load(const void* p, int64_t i) const {
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  void store(void* p, int64_t i, float v) const {
+    if (bf16) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
+    else static_cast<float*>(p)[i] = v;
+  }
+};
+
+// RMSNorm as transformers' Llama computes it: y = w * dtype(x * rsqrt(mean(x^2) + eps)), each product rounded.
+// x: n values (fp32, already of the dtype), w: the norm's weight (the model's dtype).
+void rms_norm(const Values& val, const float* x, int64_t n, const void* w, float eps, float* y) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = val.round(val.load(w, i) * val.round(x[i] * r));
+}
+
+at::Tensor dequantized(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+  if (scale.dim() == 1) return (q.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
+  const int64_t groups = scale.size(1);
+  return (q.to(at::kFloat).view({q.size(0), groups, q.size(1) / groups}) * scale.unsqueeze(2))
+      .view(q.sizes())
+      .to(dtype);
+}
+
+int threads_for(int64_t tasks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// hf_moe::linear_infer
+// ---------------------------------------------------------------------------------------------------------------
+at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                            const c10::optional<at::Tensor>& bias, c10::string_view kernels) {
+  TORCH_CHECK(x.dim() == 2, "linear_infer: x must be [N, in], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "linear_infer: x must be fp32 or bf16, got ", x.scalar_type());
+  const LinearWeight w = linear_weight(weight, scale, bias, "linear_infer");
+  TORCH_CHECK(w.k == x.size(1), "linear_infer: x has ", x.size(1), " inputs, the weight ", w.k);
+  TORCH_CHECK(w.dtype == at::kChar || w.dtype == x.scalar_type(), "linear_infer: x is ", x.scalar_type(),
+              " but the weight is ", w.dtype, " (they must match, or the weight be int8)");
+  const int64_t n = x.size(0);
+  if (n > kMaxDecodeRows) {  // many rows: ATen's GEMM, after dequantizing an int8 weight (the reference's numbers)
+    const at::Tensor wf = w.dtype == at::kChar ? dequantized(weight, *scale, x.scalar_type()) : weight;
+    return at::linear(x, wf, bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type())) : c10::nullopt);
+  }
+  auto out = at::empty({n, w.out}, x.options());
+  if (n == 0) return out;
+  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const auto xc = x.contiguous();
+  const Values val{x.scalar_type() == at::kBFloat16};
+  // The activations as the kernels read them: fp32 (fp32 and int8 weights) or bf16 bits (bf16 weights).
+  std::vector<float> widened;
+  const float* xf = val.bf16 ? nullptr : xc.data_ptr<float>();
+  if (val.bf16 && w.dtype == at::kChar) {
+    widened.resize(n * w.k);
+    for (int64_t i = 0; i < n * w.k; ++i) widened[i] = val.load(xc.data_ptr(), i);
+    xf = widened.data();
+  }
+  const auto* xb = w.dtype == at::kBFloat16 ? static_cast<const uint16_t*>(xc.data_ptr()) : nullptr;
+  const int64_t blocks = (w.out + kRowBlock - 1) / kRowBlock;
+  void* o = out.data_ptr();
+#pragma omp parallel num_threads(threads_for(blocks))
+  {
+    std::vector<float> tile(n * kRowBlock);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, w.out - r0);
+      linear_block(kn, w, xf, xb, n, r0, rows, tile.data(), kRowBlock);
+      for (int64_t m = 0; m < n; ++m)
+        for (int64_t j = 0; j < rows; ++j) val.store(o, m * w.out + r0 + j, tile[m * kRowBlock + j]);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// hf_moe::decode_attention_block
+// ---------------------------------------------------------------------------------------------------------------
+struct AttentionShape {
+  int64_t batch, hidden, q_heads, kv_heads, head_dim, cache_len;
+};
+
+// One token's attention of the n_rep query heads sharing a kv head, over cache positions [j0, j1): the flash-
+// decoding partial (running max m, sum l of exp(s - m), and sum of exp(s - m) v) of each query head.
+void attend_chunk(const Kernels& kn, const AttentionKernels& ak, bool bf16, const void* q, const void* keys,
+                  const void* values, const bool* valid, int64_t n_rep, int64_t d, int64_t j0, int64_t j1,
+                  float scaling, float* scores, float* m_out, float* l_out, float* acc_out) {
+  const int64_t len = j1 - j0;
+  for (int64_t j = 0; j < len; j += kTile) {
+    const int cols = static_cast<int>(std::min<int64_t>(kTile, len - j));
+    if (bf16) {
+      kn.dot_bf16(static_cast<const uint16_t*>(q), d, n_rep, static_cast<const uint16_t*>(keys) + (j0 + j) * d, d,
+                  cols, d, scores + j, len);
+    } else {
+      kn.dot_f32(static_cast<const float*>(q), d, n_rep, static_cast<const float*>(keys) + (j0 + j) * d, d, cols,
+                 d, scores + j, len);
+    }
+  }
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < n_rep; ++r) {
+    float* s = scores + r * len;
+    float m = kMinusInf;
+    for (int64_t j = 0; j < len; ++j) {
+      s[j] = valid[j0 + j] ? s[j] * scaling : kMinusInf;
+      m = std::max(m, s[j]);
+    }
+    float* acc = acc_out + r * d;
+    std::fill_n(acc, d, 0.0f);
+    m_out[r] = m;
+    l_out[r] = 0.0f;
+    if (m == kMinusInf) continue;  // nothing to attend to in this chunk
+    l_out[r] = ak.exp_sum(s, len, m);
+    if (bf16) ak.accumulate_bf16(s, len, static_cast<const uint16_t*>(values) + j0 * d, d, d, acc);
+    else ak.accumulate_f32(s, len, static_cast<const float*>(values) + j0 * d, d, d, acc);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
+    const at::Tensor& hidden, const at::Tensor& input_norm, double eps, const at::Tensor& wq,
+    const c10::optional<at::Tensor>& wq_scale, const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+    const c10::optional<at::Tensor>& wk_scale, const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
+    const c10::optional<at::Tensor>& wv_scale, const c10::optional<at::Tensor>& bv, const at::Tensor& wo,
+    const c10::optional<at::Tensor>& wo_scale, const c10::optional<at::Tensor>& bo,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& position,
+    const c10::optional<at::Tensor>& mask, double scaling, const at::Tensor& post_norm, double post_eps,
+    c10::string_view kernels) {
+  const char* op = "decode_attention_block";
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), op, ": hidden must be a contiguous [B, H], got ",
+              hidden.sizes());
+  const auto dt = hidden.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": activations must be fp32 or bf16, got ", dt);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              op, ": the caches must be contiguous [B, kv_heads, L, head_dim] tensors of the activations' dtype, got ",
+              k_cache.sizes(), " ", k_cache.scalar_type());
+  AttentionShape sh{hidden.size(0), hidden.size(1), 0, k_cache.size(1), k_cache.size(3), k_cache.size(2)};
+  TORCH_CHECK(k_cache.size(0) == sh.batch, op, ": the cache holds ", k_cache.size(0), " rows, the batch has ",
+              sh.batch);
+  const LinearWeight lq = linear_weight(wq, wq_scale, bq, "decode_attention_block (q)");
+  const LinearWeight lk = linear_weight(wk, wk_scale, bk, "decode_attention_block (k)");
+  const LinearWeight lv = linear_weight(wv, wv_scale, bv, "decode_attention_block (v)");
+  const LinearWeight lo = linear_weight(wo, wo_scale, bo, "decode_attention_block (o)");
+  const int64_t d = sh.head_dim;
+  sh.q_heads = lq.out / d;
+  TORCH_CHECK(lq.out % d == 0 && sh.q_heads % sh.kv_heads == 0 && lk.out == sh.kv_heads * d &&
+                  lv.out == sh.kv_heads * d && lq.k == sh.hidden && lk.k == sh.hidden && lv.k == sh.hidden &&
+                  lo.k == sh.q_heads * d && lo.out == sh.hidden,
+              op, ": projection shapes do not fit hidden ", sh.hidden, ", ", sh.kv_heads, " kv heads of ", d,
+              ": q ", wq.sizes(), ", k ", wk.sizes(), ", v ", wv.sizes(), ", o ", wo.sizes());
+  for (const auto* w : {&lq, &lk, &lv, &lo})
+    TORCH_CHECK(w->dtype == at::kChar || w->dtype == dt, op, ": weights must be ", dt, " or int8, got ", w->dtype);
+  TORCH_CHECK(cos.sizes() == at::IntArrayRef({sh.batch, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt,
+              op, ": cos and sin must be contiguous [B, head_dim] tensors of the activations' dtype, got ",
+              cos.sizes());
+  for (const auto* w : {&input_norm, &post_norm})
+    TORCH_CHECK(w->numel() == sh.hidden && w->is_contiguous() && w->scalar_type() == dt, op,
+                ": norm weights must be contiguous [H] tensors of the activations' dtype");
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->numel() == d && (*w)->is_contiguous() && (*w)->scalar_type() == dt), op,
+                ": q/k norm weights must be contiguous [head_dim] tensors of the activations' dtype");
+  TORCH_CHECK(position.numel() == 1 && position.scalar_type() == at::kLong, op,
+              ": position must be one int64 value");
+  const int64_t pos = position.data_ptr<int64_t>()[0];
+  TORCH_CHECK(pos >= 0 && pos < sh.cache_len, op, ": position ", pos, " is outside the cache of ", sh.cache_len,
+              " positions (the static cache is full: generate with a larger max_cache_len)");
+  const int64_t b_rows = sh.batch, len = sh.cache_len;
+  // valid[b * len + j]: row b attends to cache position j (the mask; without one, the causal positions <= pos).
+  std::vector<char> valid_store(b_rows * len, 0);
+  auto* valid = reinterpret_cast<bool*>(valid_store.data());
+  std::vector<int64_t> end(b_rows, pos + 1);  // one past the last position row b attends to
+  if (mask.has_value()) {
+    const auto& mk = *mask;
+    TORCH_CHECK(mk.scalar_type() == at::kBool && mk.dim() == 2 && mk.size(0) == b_rows && mk.size(1) == len, op,
+                ": the mask must be a bool [B, L] tensor, got ", mk.scalar_type(), " ", mk.sizes());
+    const auto acc = mk.accessor<bool, 2>();
+    for (int64_t b = 0; b < b_rows; ++b) {
+      end[b] = 0;
+      for (int64_t j = 0; j < len; ++j)
+        if ((valid[b * len + j] = acc[b][j])) end[b] = j + 1;
+    }
+  } else {
+    for (int64_t b = 0; b < b_rows; ++b) std::fill_n(valid + b * len, pos + 1, true);
+  }
+
+  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const AttentionKernels& ak = serve::attention_kernels(std::string(kernels));
+  const Values val{dt == at::kBFloat16};
+  const int64_t hq = sh.q_heads, hk = sh.kv_heads, n_rep = hq / hk, h = sh.hidden;
+  auto out_hidden = at::empty({b_rows, h}, hidden.options());
+  auto out_normed = at::empty({b_rows, h}, hidden.options());
+
+  // Buffers, fp32 values of the activations' dtype (and bf16 bits where a bf16 kernel reads them).
+  std::vector<float> x(b_rows * h), qkv(b_rows * (hq + 2 * hk) * d), attn(b_rows * hq * d);
+  std::vector<uint16_t> x_bits(val.bf16 ? x.size() : 0), q_bits(val.bf16 ? b_rows * hq * d : 0),
+      attn_bits(val.bf16 ? attn.size() : 0);
+  const int64_t qkv_ld = (hq + 2 * hk) * d, k_off = hq * d, v_off = (hq + hk) * d;
+  // Parallel tasks: q, k, v row blocks; attention chunks of each (row, kv head); o row blocks.
+  const int64_t q_blocks = (lq.out + kRowBlock - 1) / kRowBlock, k_blocks = (lk.out + kRowBlock - 1) / kRowBlock;
+  const int64_t qkv_blocks = q_blocks + 2 * k_blocks, o_blocks = (h + kRowBlock - 1) / kRowBlock;
+  const int threads = threads_for(std::max(qkv_blocks, o_blocks));
+  const int64_t longest = *std::max_element(end.begin(), end.end());
+  const int64_t per_head = std::max<int64_t>(1, std::min<int64_t>((2 * threads + b_rows * hk - 1) / (b_rows * hk),
+                                                                  (longest + kMinChunk - 1) / kMinChunk));
+  const int64_t chunk = std::max<int64_t>(1, (longest + per_head - 1) / per_head);
+  const int64_t attn_tasks = b_rows * hk * per_head;
+  std::vector<float> part_m(attn_tasks * n_rep), part_l(attn_tasks * n_rep), part_acc(attn_tasks * n_rep * d);
+  const void* hid = hidden.data_ptr();
+  const void* cos_p = cos.data_ptr();
+  const void* sin_p = sin.data_ptr();
+  void* kc = k_cache.data_ptr();
+  void* vc = v_cache.data_ptr();
+  const size_t elt = val.bf16 ? 2 : 4;
+
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scratch(std::max<int64_t>(b_rows * kRowBlock, n_rep * chunk));
+    std::vector<float> row(std::max(h, d));
+
+    // 1. The normalised layer input (a few rows: each thread its share).
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < b_rows; ++b) {
+      for (int64_t i = 0; i < h; ++i) row[i] = val.load(hid, b * h + i);
+      rms_norm(val, row.data(), h, input_norm.data_ptr(), static_cast<float>(eps), x.data() + b * h);
+      if (val.bf16)
+        for (int64_t i = 0; i < h; ++i) x_bits[b * h + i] = bf16_bits(x[b * h + i]);
+    }
+    // 2. q, k, v: blocks of output rows of the three projections.
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < qkv_blocks; ++blk) {
+      const bool is_q = blk < q_blocks, is_k = !is_q && blk < q_blocks + k_blocks;
+      const LinearWeight& w = is_q ? lq : (is_k ? lk : lv);
+      const int64_t r0 = (is_q ? blk : blk - q_blocks - (is_k ? 0 : k_blocks)) * kRowBlock;
+      const int64_t rows = std::min(kRowBlock, w.out - r0), off = (is_q ? 0 : (is_k ? k_off : v_off)) + r0;
+      linear_block(kn, w, x.data(), x_bits.data(), b_rows, r0, rows, scratch.data(), kRowBlock);
+      for (int64_t b = 0; b < b_rows; ++b)
+        for (int64_t j = 0; j < rows; ++j) qkv[b * qkv_ld + off + j] = val.round(scratch[b * kRowBlock + j]);
+    }
+    // 3. Per head: the q/k norm, the rotary embedding (q, k), and the cache write (k, v).
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < b_rows * (hq + 2 * hk); ++task) {
+      const int64_t b = task / (hq + 2 * hk), head = task % (hq + 2 * hk);
+      float* v = qkv.data() + b * qkv_ld + head * d;  // this head's d values (q heads, then k, then v)
+      const bool is_v = head >= hq + hk, is_k = !is_v && head >= hq;
+      if (!is_v) {
+        const auto& norm = is_k ? k_norm : q_norm;
+        if (norm.has_value()) {
+          std::copy_n(v, d, row.data());
+          rms_norm(val, row.data(), d, norm->data_ptr(), static_cast<float>(qk_eps), v);
+        }
+        // rotate_half: (-x2, x1); x * cos + rotate_half(x) * sin, each product and the sum rounded
+        std::copy_n(v, d, row.data());
+        const int64_t half = d / 2;
+        for (int64_t i = 0; i < d; ++i) {
+          const float rot = i < half ? -row[i + half] : row[i - half];
+          const float c = val.load(cos_p, b * d + i), s = val.load(sin_p, b * d + i);
+          v[i] = val.round(val.round(row[i] * c) + val.round(rot * s));
+        }
+      }
+      if (is_k || is_v) {
+        const int64_t g = head - (is_k ? hq : hq + hk);
+        void* cache = is_k ? kc : vc;
+        for (int64_t i = 0; i < d; ++i) val.store(cache, ((b * hk + g) * len + pos) * d + i, v[i]);
+      } else if (val.bf16) {
+        for (int64_t i = 0; i < d; ++i) q_bits[(b * hq + head) * d + i] = bf16_bits(v[i]);
+      }
+    }
+    // 4. Attention: chunks of cache positions of each (row, kv head), its n_rep query heads together.
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < attn_tasks; ++task) {
+      const int64_t b = task / (hk * per_head), g = (task / per_head) % hk, c = task % per_head;
+      const int64_t j0 = std::min(c * chunk, end[b]), j1 = std::min(j0 + chunk, end[b]);
+      const int64_t first_q = b * hq + g * n_rep;
+      std::vector<float> q_f32;
+      const void* q;
+      if (val.bf16) {
+        q = q_bits.data() + first_q * d;
+      } else {
+        q_f32.resize(n_rep * d);
+        for (int64_t r = 0; r < n_rep; ++r)
+          std::copy_n(qkv.data() + b * qkv_ld + (g * n_rep + r) * d, d, q_f32.data() + r * d);
+        q = q_f32.data();
+      }
+      const size_t head_off = static_cast<size_t>((b * hk + g) * len * d) * elt;
+      attend_chunk(kn, ak, val.bf16, q, static_cast<char*>(kc) + head_off, static_cast<char*>(vc) + head_off,
+                   valid + b * len, n_rep, d, j0, j1, static_cast<float>(scaling), scratch.data(),
+                   part_m.data() + task * n_rep, part_l.data() + task * n_rep, part_acc.data() + task * n_rep * d);
+    }
+    // 5. Merge the chunks of every query head.
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < b_rows * hq; ++bh) {
+      const int64_t b = bh / hq, head = bh % hq, g = head / n_rep, r = head % n_rep;
+      const int64_t first = (b * hk + g) * per_head;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < per_head; ++c) m = std::max(m, part_m[(first + c) * n_rep + r]);
+      float* o = row.data();
+      std::fill_n(o, d, 0.0f);
+      float l = 0.0f;
+      if (m != -std::numeric_limits<float>::infinity()) {
+        for (int64_t c = 0; c < per_head; ++c) {
+          const int64_t at = (first + c) * n_rep + r;
+          if (part_l[at] == 0.0f) continue;
+          const float f = std::exp(part_m[at] - m);
+          l += f * part_l[at];
+          const float* pa = part_acc.data() + at * d;
+          for (int64_t i = 0; i < d; ++i) o[i] += f * pa[i];
+        }
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t i = 0; i < d; ++i) {
+        const float v = val.round(o[i] * inv);
+        attn[bh * d + i] = v;
+        if (val.bf16) attn_bits[bh * d + i] = bf16_bits(v);
+      }
+    }
+    // 6. o projection and the residual add.
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < o_blocks; ++blk) {
+      const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, h - r0);
+      linear_block(kn, lo, attn.data(), attn_bits.data(), b_rows, r0, rows, scratch.data(), kRowBlock);
+      for (int64_t b = 0; b < b_rows; ++b)
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t i = b * h + r0 + j;
+          val.store(out_hidden.data_ptr(), i, val.load(hid, i) + val.round(scratch[b * kRowBlock + j]));
+        }
+    }
+    // 7. The MLP's input: RMSNorm of the new hidden state.
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < b_rows; ++b) {
+      for (int64_t i = 0; i < h; ++i) row[i] = val.load(out_hidden.data_ptr(), b * h + i);
+      rms_norm(val, row.data(), h, post_norm.data_ptr(), static_cast<float>(post_eps), row.data());
+      for (int64_t i = 0; i < h; ++i) val.store(out_normed.data_ptr(), b * h + i, row[i]);
+    }
+  }
+  return {out_hidden, out_normed};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hf_moe, CPU, m) {
+  m.impl("linear_infer", &linear_infer_cpu);
+  m.impl("decode_attention_block", &decode_attention_block_cpu);
+}
+
+}  // namespace hf_moe
