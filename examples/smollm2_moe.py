@@ -179,7 +179,9 @@ def main() -> None:
 
     t = step("4. Saved per expert: reload with AutoModelForCausalLM and generate")
     subprocess.run(["hf-moe", "inspect", ft_dir], check=True)
-    model = AutoModelForCausalLM.from_pretrained(ft_dir, dtype=torch.float32).eval()  # the default path: fp32
+    # The default path: fp32. The fine-tuned checkpoint is bf16; loading it with dtype=torch.float32 peaked at 6.0 GB
+    # (transformers holds the bf16 and fp32 copies at once), loading it as saved and casting after at 3.2 GB.
+    model = AutoModelForCausalLM.from_pretrained(ft_dir, dtype=torch.bfloat16).float().eval()
     print(f"loaded {type(model).__name__} (isinstance MoEForCausalLM: {isinstance(model, hf_moe.MoEForCausalLM)})")
     print(f"Q: {QUESTION}\n  fine-tuned MoE: {answer(model, tokenizer)}")
     default_speed = decode_speed(model, tokenizer)
