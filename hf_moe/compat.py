@@ -220,7 +220,7 @@ def ddp_ignore_parameters(module, names) -> None:
 
 
 def allow_dtensor_unpickling() -> None:
-    """Let `torch.load(..., weights_only=True)` read DTensors sharded with `_StridedShard` (private), as FSDP2 over
+    """Let weights-only loads (`weights_only=True`) read DTensors sharded with `_StridedShard` (private), as FSDP2 over
     an expert-parallel mesh makes them. torch 2.13 lists it among the safe globals it registers when
     `torch.distributed.tensor` is imported; torch 2.11 lists the other placements only, so Accelerate's
     `load_state` refused the optimizer file it had written itself."""

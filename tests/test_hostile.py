@@ -1065,6 +1065,13 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(directory)"): "the readers' turnstile lock beside OUT",
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(target)"): "the writers' turnstile lock beside OUT",
     ("hf_moe/parallel/training_state.py", "torch.load(io.BytesIO(data)"): "bytes read through the guard",
+    ("hf_moe/ops/extension.py", "float(path.read_text()"): "the build cache's record of the last build's seconds",
+    ("hf_moe/shrink/calibration.py", "path.read_text(errors="): "the calibration text the user names (--data)",
+    ("hf_moe/gpu_check/record.py", "json.loads(path.read_text())"): "gpu_check's own results.json (--out)",
+    ("hf_moe/gpu_check/runner.py", 'open(output, "w")'): "writes a step's output file in gpu_check's --out",
+    ("hf_moe/gpu_check/runner.py", "output.read_text(errors="): "reads back a step's output file (--out)",
+    ("hf_moe/gpu_check/runner.py", 'open(log, "a")'): "appends to gpu_check's logs.txt (--out)",
+    ("hf_moe/gpu_check/steps.py", "json.loads(launches.read_text())"): "gpu_check's record of kernel launches (--out)",
 }
 
 
