@@ -18,11 +18,26 @@ assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transf
 python -m pip install "setuptools>=70.1" wheel
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
-# Three tests that concern the lent GPU alone run once, in scripts/test_oldest.sh on the GPU's own versions (torch 2.11,
-# triton 3.6), not here as well: gpu_check --smoke, first_light.sh, and the sm90 compile of every Triton kernel
-# (together about 130 s of the suite's 34 minutes measured on a quiet 2-core machine).
-python -m pytest "$@" \
+# The venv of scripts/test_oldest.sh (torch 2.11's wheels, a few GB to download and unpack) is built while the main
+# suite runs; its log is printed after the suite.
+oldest_log="$(mktemp)"
+bash scripts/test_oldest.sh --venv-only >"$oldest_log" 2>&1 &
+oldest_venv=$!
+# The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
+# one core, so on a 2-core machine this halves the wall time (34 -> 22 minutes measured on a quiet one). Three tests
+# that concern the lent GPU alone run once, in scripts/test_oldest.sh on the GPU's own versions (torch 2.11,
+# triton 3.6), not here as well: gpu_check --smoke, first_light.sh, and the sm90 compile of every Triton kernel.
+status=0
+python -m pytest -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile "$@" \
     --deselect tests/test_gpu_check.py::test_gpu_check_smoke_writes_its_report \
     --deselect tests/test_gpu_check.py::test_first_light_without_a_gpu_says_so_and_stops \
-    --deselect tests/test_triton.py::test_every_kernel_compiles_for_sm90
+    --deselect tests/test_triton.py::test_every_kernel_compiles_for_sm90 || status=$?
+venv_status=0
+wait "$oldest_venv" || venv_status=$?
+cat "$oldest_log"
+rm -f "$oldest_log"
+if [ "$status" -ne 0 ] || [ "$venv_status" -ne 0 ]; then
+    echo "test.sh: the suite exited $status, building the oldest-versions venv exited $venv_status"
+    exit 1
+fi
 bash scripts/test_oldest.sh

@@ -18,8 +18,8 @@ OLDEST=5.17.0  # = hf_moe.compat.TESTED["transformers"][0] (tests/test_repo.py c
 # = hf_moe.compat.TESTED's oldest torch, triton, accelerate and safetensors (tests/test_repo.py checks)
 TORCH=2.11.0 TRITON=3.6.0 ACCELERATE=1.15.0 SAFETENSORS=0.8.0
 PACKAGES=("torch==$TORCH" "triton==$TRITON" "transformers==$OLDEST" "accelerate==$ACCELERATE"
-          "safetensors==$SAFETENSORS" "numpy<2.4" tqdm pyyaml xxhash pytest pytest-timeout tensorboard matplotlib
-          "datasets>=3.0")
+          "safetensors==$SAFETENSORS" "numpy<2.4" tqdm pyyaml xxhash pytest pytest-timeout pytest-xdist tensorboard
+          matplotlib "datasets>=3.0")
 
 # Python 3.12 where the machine has it (the lent GPU runs 3.12.3); pyenv's shim refuses a version it does not select.
 PYTHON=""
@@ -44,6 +44,9 @@ if [ "$(cat "$VENV/hf_moe-packages.txt" 2>/dev/null)" != "$KEY" ]; then
     printf '%s' "$KEY" >"$VENV/hf_moe-packages.txt"
     echo "test_oldest: created $VENV in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))"
 fi
+if [ "${1:-}" = "--venv-only" ]; then  # scripts/test.sh builds the venv while the main suite runs
+    exit 0
+fi
 PY="$VENV/bin/python"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "
@@ -59,7 +62,7 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 # Left out: what does not depend on these versions and runs in the main suite (gpu_check's runner and fallback tests,
 # the two Triton tests that build the C++ extension, the saved programs of the compiled backend, the DDP and launcher
 # tests), and tests/test_compile.py (parts of it fail on torch 2.11: docs/compatibility.md, known limits).
-HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider \
+HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile \
     tests/test_modeling.py tests/test_integration.py tests/test_checkpoint.py tests/test_convert.py \
     tests/test_families.py tests/test_export.py tests/test_training.py tests/test_routers.py \
     tests/test_experts_interface.py tests/test_compat.py \
