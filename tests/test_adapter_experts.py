@@ -160,6 +160,38 @@ def test_pesc_block_equals_a_loop_over_its_experts():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+def test_lora_experts_keep_no_per_pair_tensor_for_the_backward():
+    """What a training forward of the lora method keeps for its backward is per token (as a dense MLP with a LoRA
+    keeps): the per-pair rows ([M, 2I] gathered gate/up, [M, I] activations; M = k N) are recomputed in the backward,
+    and the gradients are those of the block that keeps them."""
+    torch.manual_seed(0)
+    moe = _randomize_adapters(convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, method="lora", rank=4))
+    block = moe_blocks(moe.train())[0]
+    n, inter = 12, moe.config.moe_intermediate_size
+    x = torch.randn(n, moe.config.hidden_size, requires_grad=True)
+    routing = block.gate(x)
+    index, weights = routing.dispatch_index(), routing.top_k_weights
+    kept = []
+
+    def pack(t):
+        kept.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block.experts(x, index, weights)
+    m = index.numel()
+    assert not [s for s in kept if len(s) == 2 and s[0] == m and s[1] in (inter, 2 * inter)], kept
+    params = [x, block.gate.weight, *(p for p in block.experts.parameters() if p.requires_grad)]
+    got = torch.autograd.grad(out.square().sum(), params, retain_graph=True)
+    import hf_moe.layers.adapter_experts as module
+
+    with pytest.MonkeyPatch.context() as mp:  # the same block keeping every per-pair tensor
+        mp.setattr(module, "checkpoint", lambda fn, *args, **_: fn(*args))
+        want = torch.autograd.grad(block.experts(x, index, weights).square().sum(), params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_pesc_cannot_be_materialized_and_tools_that_need_expert_weights_say_so():
     moe = convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, method="pesc", rank=4)
     with pytest.raises(ValueError, match="cannot become plain experts"):

@@ -26,6 +26,10 @@ the pairs are sorted by expert as for every hf_moe MoE, and each per-pair low-ra
                                                                     (0 for the others), then U -> [N, H]
            per pair   nothing
 
+In training, the per-pair tensors (the gathered rows [M, 2I], the activations [M, I]) are not kept for the backward
+but recomputed in it (`torch.utils.checkpoint` over the per-pair part): what the lora method keeps per layer is then
+that of a dense MLP with a LoRA, [N, 2I] and [N, I].
+
 The low-rank products run per token over all E experts cost E/k times the grouped product of the pairs, and what a
 plain LoRA of rank E*r costs: with E*r well below I (MixLoRA: 8 x 16 against I = 11008) that is small next to the
 frozen projections, and it saves the per-pair gathers and small GEMMs.
@@ -48,6 +52,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from ..compat import init
@@ -270,24 +275,42 @@ class AdapterExperts(nn.Module):
                             F.linear(x, cast(base.up_proj), cast(base.up_proj_bias))], dim=1)  # [N, 2I]
         else:
             h0 = F.linear(x, cast(base.up_proj), cast(base.up_proj_bias))  # [N, I]
-        h = h0.index_select(0, rows.token)  # [M, W]
         inputs = [t.removesuffix("_proj") for t in ("gate_proj", "up_proj") if t in self.targets]
+        xa = None
         if inputs:
             a = torch.cat([cast(getattr(self, f"{role}_lora_A")) for role in inputs], dim=1)  # [E, R, H]
             xa = F.linear(self.dropout(x), a.reshape(-1, x.shape[1]))  # [N, E * R]: A x per token, every expert
+        pairs = lambda h0, xa: self._pairs(ops, rows, slot, h0, xa, inputs, cast)  # noqa: E731
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h0, xa, rows.weight)):
+            # The per-pair tensors ([M, 2I] gathered rows, [M, I] activations: M = k N) are recomputed in the backward
+            # rather than kept: what stays is [N, 2I], as for a dense MLP with a LoRA (measured: docs/adapter-experts.md)
+            act, down_blocks = checkpoint(pairs, h0, xa, use_reentrant=False)
+        else:
+            act, down_blocks = pairs(h0, xa)
+        out = F.linear(act, cast(base.down_proj))  # [N, H]: W_down once per token
+        if base.down_proj_bias is not None:
+            out = out + weight_sum * cast(base.down_proj_bias)
+        if down_blocks is not None:  # B_down per token over the pairs' A_down blocks
+            b = cast(self.down_lora_B).permute(1, 0, 2).reshape(-1, e * r)  # [H, E * r]
+            out = out + self.scaling * F.linear(down_blocks, b)
+        return out
+
+    def _pairs(self, ops, rows: _Rows, slot, h0: torch.Tensor, xa: torch.Tensor | None, inputs: list[str], cast):
+        """The per-pair part of the lora method: h0 [N, W] (the frozen gate/up of each token), xa [N, E * R] (A x of
+        every expert, or None) -> (the routing-weighted activations summed per token [N, I], and the pairs' A_down
+        blocks [N, E * r] or None)."""
+        n, e, r = h0.shape[0], self.num_experts, self.rank
+        h = h0.index_select(0, rows.token)  # [M, W]
+        if xa is not None:
             low = xa.view(n * e, -1).index_select(0, slot)  # [M, R]: the pair's expert's
             h += self.scaling * ops.grouped_mm(low, self._input_b(inputs, cast), rows.tokens_per_expert, None, None,
                                                True)  # (h is a fresh gather: in place is safe)
         act = _WeightedAct.apply(h, rows.weight, ops, kernel_activation(self.activation), self.has_gate)  # [M, I]
-        out = F.linear(rows.combine(act), cast(base.down_proj))  # [N, H]: W_down once per token
-        if base.down_proj_bias is not None:
-            out = out + weight_sum * cast(base.down_proj_bias)
-        if "down_proj" in self.targets:  # A_down per pair (grouped), B_down per token over the pairs' blocks
+        down_blocks = None
+        if "down_proj" in self.targets:  # A_down per pair (grouped), summed into each token's [E * r] block
             low = ops.grouped_mm(self.dropout(act), cast(self.down_lora_A), rows.tokens_per_expert, None, None, True)
-            blocks = low.new_zeros(n * e, r).index_add(0, slot, low).view(n, e * r)  # [N, E * r]
-            b = cast(self.down_lora_B).permute(1, 0, 2).reshape(-1, e * r)  # [H, E * r]
-            out = out + self.scaling * F.linear(blocks, b)
-        return out
+            down_blocks = low.new_zeros(n * e, r).index_add(0, slot, low).view(n, e * r)
+        return rows.combine(act), down_blocks
 
     def _input_b(self, inputs: list[str], cast) -> torch.Tensor:
         """[E, W, R]: the B of the targeted input projections (gate, up) as one block-diagonal weight per expert, so
