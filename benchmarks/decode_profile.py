@@ -18,7 +18,8 @@ alike). Modes:
     aoti           the fused step exported (torch.export) and compiled ahead of time by AOTInductor into a package,
                    loaded and run from C++ (torch._inductor.aoti_load_package)
 
-Kernels: each timed alone (median of --repeats calls) on the first layer's weights, times the calls a step makes.
+Kernels: each timed alone, the median of --repeats passes that call it once per layer on each layer's own weights
+(as a step does: the weights come from memory, not from a cache one layer's weights would fit in).
 The fused attention sub-block (hf_moe::decode_attention_block) beside the transformers ops it replaces run one by
 one, the router, the experts (hf_moe's op, one token, its k experts), the final norm and the LM head (ATen's GEMM and
 hf_moe::linear_infer). What a step takes beyond the sum of a mode's kernels is everything else: the embedding, the
@@ -153,18 +154,18 @@ class Mode:
 
 # ---------------------------------------------------------------------------------------------------------- kernels
 def kernels(model, repeats: int) -> dict[str, float]:
-    """{kernel: ms per decode step} (one call's median times the calls per step)."""
+    """{kernel: ms per decode step}: the median of `repeats` passes, each calling the kernel once per layer on that
+    layer's own weights, as a step does (so that the weights come from memory, not from a cache that one layer's
+    would fit in: one layer's two bf16 experts are 10 MB, the L3 cache of the machine measured 32 MB)."""
     from hf_moe.layers.quantized_linear import linear_weights
     from hf_moe.ops.decode import rms_norm, rotary
     from hf_moe.routing import moe_blocks
 
     config = model.config
-    layers = config.num_hidden_layers
     backbone = model.model
-    layer = backbone.layers[0]
-    attn = layer.self_attn
-    block = moe_blocks(model)[0]
-    dtype = layer.input_layernorm.weight.dtype
+    layers = list(backbone.layers)
+    blocks = moe_blocks(model)
+    dtype = layers[0].input_layernorm.weight.dtype
     x = torch.randn(1, config.hidden_size, dtype=dtype)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -174,17 +175,18 @@ def kernels(model, repeats: int) -> dict[str, float]:
     mask = (torch.arange(256) <= 64)[None]
     cos, sin = torch.ones(1, d, dtype=dtype), torch.zeros(1, d, dtype=dtype)
     q = torch.randn(1, heads, 1, d, dtype=dtype)
-    routing = block.gate(x)
-    index, weights = routing.dispatch_index(), routing.top_k_weights
-    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    routings = [block.gate(x) for block in blocks]
+    dispatch = [(r.dispatch_index(), r.top_k_weights) for r in routings]
 
-    def fused_block():
+    def fused_block(layer):
+        attn = layer.self_attn
         torch.ops.hf_moe.decode_attention_block(
             x, layer.input_layernorm.weight, 1e-5, *linear_weights(attn.q_proj), *linear_weights(attn.k_proj),
             *linear_weights(attn.v_proj), *linear_weights(attn.o_proj), None, None, 1e-6, cos, sin, keys, values,
             position, mask, attn.scaling, layer.post_attention_layernorm.weight, 1e-5)
 
-    def unfused_block():  # transformers' ops, one by one (eager)
+    def unfused_block(layer):  # transformers' ops, one by one (eager)
+        attn = layer.self_attn
         h = layer.input_layernorm(x)
         qs = attn.q_proj(h).view(1, heads, 1, d)
         ks = attn.k_proj(h).view(1, kv_heads, 1, d)
@@ -196,18 +198,26 @@ def kernels(model, repeats: int) -> dict[str, float]:
         out = x + attn.o_proj(a.reshape(1, -1))
         return rms_norm(out, layer.post_attention_layernorm.weight, 1e-5)
 
+    def projections(layer):
+        attn = layer.self_attn
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            m(x)
+
+    def per_step(fn, items):
+        return lambda: [fn(item) for item in items]
+
     head = model.lm_head
     head_weight, head_scale, head_bias = linear_weights(head)
     parts = {
-        "attention sub-block, transformers' ops one by one": layers * median_ms(unfused_block, repeats),
-        "  of which the q/k/v/o projections (ATen)": layers * sum(median_ms(lambda m=m: m(x), repeats)
-                                                                 for m in projections),
-        "  of which attention (SDPA over a 256-position static cache)": layers * median_ms(
+        "attention sub-block, transformers' ops one by one": median_ms(per_step(unfused_block, layers), repeats),
+        "  of which the q/k/v/o projections (ATen)": median_ms(per_step(projections, layers), repeats),
+        "  of which attention (SDPA over a 256-position static cache)": len(layers) * median_ms(
             lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], enable_gqa=True),
             repeats),
-        "attention sub-block, hf_moe::decode_attention_block": layers * median_ms(fused_block, repeats),
-        "router": layers * median_ms(lambda: block.gate(x), repeats),
-        "experts (hf_moe::moe_experts_infer)": layers * median_ms(lambda: block.experts(x, index, weights), repeats),
+        "attention sub-block, hf_moe::decode_attention_block": median_ms(per_step(fused_block, layers), repeats),
+        "router": median_ms(per_step(lambda block: block.gate(x), blocks), repeats),
+        "experts (hf_moe::moe_experts_infer)": median_ms(
+            per_step(lambda i: blocks[i].experts(x, *dispatch[i]), range(len(blocks))), repeats),
         "final norm": median_ms(lambda: backbone.norm(x), repeats),
         "LM head, hf_moe::linear_infer": median_ms(
             lambda: torch.ops.hf_moe.linear_infer(x, head_weight, head_scale, head_bias), repeats),
@@ -274,7 +284,7 @@ def main() -> None:
         median = statistics.median(mode.times)
         print(f"| {mode.name} | {median * 1e3:.2f} [{q[0] * 1e3:.2f}-{q[-1] * 1e3:.2f}] | {1 / median:.1f} | "
               f"{nbytes / median / 1e9:.1f} | {f'{eager / median:.2f}x' if eager else '-'} | {warm[mode.name]:.0f} |")
-    print("\n| kernel (timed alone, x calls per step) | ms per step |\n|---|---|")
+    print("\n| kernel (timed alone, each layer's own weights) | ms per step |\n|---|---|")
     for name, ms in parts.items():
         print(f"| {name} | {ms:.2f} |")
     print(f"| the fused step's kernels, summed | {fused:.2f} ({nbytes / fused / 1e6:.1f} GB/s of weights) |")
