@@ -46,7 +46,8 @@ from quality import VALIDATION_EVERY, load_corpus  # noqa: E402  (the KJV from b
 MODEL = "/work/models/smollm2-135m-instruct"
 CONTESTANTS = ("lora", "lora_active", "lora_experts", "pesc", "upcycle", "dense")
 LABELS = {
-    "lora": "(a) plain LoRA (PEFT)", "lora_active": "(a') plain LoRA (PEFT), rank k*r", "lora_experts": "(b) LoRA experts (hf_moe)", "pesc": "(b') PESC experts (hf_moe)",
+    "lora": "(a) plain LoRA (PEFT)", "lora_active": "(a') plain LoRA (PEFT), rank k*r",
+    "lora_experts": "(b) LoRA experts (hf_moe)", "pesc": "(b') PESC experts (hf_moe)",
     "upcycle": "(c) full upcycling", "dense": "(d) dense full FT",
 }
 

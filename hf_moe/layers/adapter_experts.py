@@ -283,7 +283,7 @@ class AdapterExperts(nn.Module):
         pairs = lambda h0, xa: self._pairs(ops, rows, slot, h0, xa, inputs, cast)  # noqa: E731
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h0, xa, rows.weight)):
             # The per-pair tensors ([M, 2I] gathered rows, [M, I] activations: M = k N) are recomputed in the backward
-            # rather than kept: what stays is [N, 2I], as for a dense MLP with a LoRA (measured: docs/adapter-experts.md)
+            # rather than kept: what stays is [N, 2I], as for a dense MLP with a LoRA (docs/adapter-experts.md)
             act, down_blocks = checkpoint(pairs, h0, xa, use_reentrant=False)
         else:
             act, down_blocks = pairs(h0, xa)
