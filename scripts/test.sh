@@ -24,9 +24,9 @@ oldest_log="$(mktemp)"
 bash scripts/test_oldest.sh --venv-only >"$oldest_log" 2>&1 &
 oldest_venv=$!
 # The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
-# one core, so on a 2-core machine this cuts the wall time from 34 to about 25 minutes (measured on a quiet one). Three tests
-# that concern the lent GPU alone run once, in scripts/test_oldest.sh on the GPU's own versions (torch 2.11,
-# triton 3.6), not here as well: gpu_check --smoke, first_light.sh, and the sm90 compile of every Triton kernel.
+# one core, so on a 2-core machine this cuts the wall time from 34 to about 25 minutes (measured on a quiet one).
+# Three tests that concern the lent GPU alone run once, in scripts/test_oldest.sh on the GPU's own versions (torch
+# 2.11, triton 3.6), not here as well: gpu_check --smoke, first_light.sh, and the sm90 compile of every Triton kernel.
 status=0
 python -m pytest -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile "$@" \
     --deselect tests/test_gpu_check.py::test_gpu_check_smoke_writes_its_report \
