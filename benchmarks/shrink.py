@@ -148,10 +148,9 @@ def peak_rss_of_cli_shrink(runs: Runs, name: str, source: Path, work: Path, cali
         return runs.get(key)
     out = work / "shrunk" / f"{name}-rss"
     # VmHWM, the high-water mark of this process's own memory: ru_maxrss would not do, as Linux carries it over
-    # fork and exec from the parent (this benchmark, which holds models), and it read 11.5 GiB for a 1.7 GiB run.
-    code = ("import re, sys; from hf_moe.cli import main; status = main(sys.argv[1:]); "
-            "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1); "
-            "print('PEAK_RSS', int(hwm) * 1024); sys.exit(status)")
+    # fork and exec from the parent (this benchmark, which holds models): it read 11.5 GiB where VmHWM read 1.1.
+    code = ("import sys; from hf_moe.cli import main; from hf_moe.offload import peak_rss_bytes; "
+            "status = main(sys.argv[1:]); print('PEAK_RSS', peak_rss_bytes()); sys.exit(status)")
     cmd = [sys.executable, "-c", code, "shrink", str(source), str(out), "--keep", str(keep), "--data", str(calib),
            "--calibration-tokens", str(calibration_tokens)]
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
