@@ -227,3 +227,18 @@ def test_converting_twice_is_refused():
     moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="already an hf_moe model"):
         hf_moe.convert_to_moe(moe, num_experts=4, top_k=2)
+
+
+def test_conversion_check_runs_where_the_chosen_backend_cannot():
+    """First light on the H100 (2026-11-27) died in gpu_check's training step: HF_MOE_BACKEND=triton (meant for CUDA)
+    and a model converted on CPU, whose logit check ran the experts on Triton, which cannot run on CPU tensors without
+    the interpreter. The check measures the conversion's weights, on the reference ops, wherever the model is."""
+    from hf_moe.ops import use_backend
+    from hf_moe.ops.triton import status
+
+    if status("cpu")[0]:
+        pytest.skip("Triton runs on CPU tensors here (TRITON_INTERPRET=1): nothing to refuse")
+    dense = tiny_dense("llama")
+    with use_backend("triton"):  # what HF_MOE_BACKEND=triton selects
+        moe = convert_to_moe(dense, num_experts=4, top_k=2)
+    assert moe.config.moe_conversion["max_abs_logit_diff"] < ATOL

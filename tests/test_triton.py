@@ -90,8 +90,10 @@ def _launch_table(request):
     if not KERNELS_RUN_HERE:
         return
     counts = dict(launch_counts)
-    if os.environ.get(LAUNCHES_FILE):
-        Path(os.environ[LAUNCHES_FILE]).write_text(json.dumps(dict(launches=counts, fell_back=dict(fell_back))))
+    if os.environ.get(LAUNCHES_FILE):  # one file per pytest-xdist worker (gpu_check sums them)
+        worker = getattr(request.config, "workerinput", {}).get("workerid")  # this pytest's own worker id, if any
+        path = Path(os.environ[LAUNCHES_FILE] + (f".{worker}" if worker else ""))
+        path.write_text(json.dumps(dict(launches=counts, fell_back=dict(fell_back))))
     reporter = request.config.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("\n" + _table(counts))

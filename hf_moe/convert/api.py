@@ -20,6 +20,7 @@ from ..configuration import MoEConfig, _brief
 from ..layers import SparseMoeBlock
 from ..layers.adapter_experts import ADAPTER_METHODS
 from ..model_card import hub_model_id
+from ..ops import use_backend
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from .adapter_experts import (
     ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_spec, base_reference, check_adapter_options,
@@ -468,10 +469,14 @@ def _probe_input(model: nn.Module) -> torch.Tensor | None:
 
 @torch.no_grad()
 def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, vocab] fp32 logits of the probe, in eval mode, with the experts on the reference ops (torch): the
+    probe checks the conversion's weights, not a kernel (each backend has its own tests), and HF_MOE_BACKEND may name
+    a backend that cannot run where the model is (triton, set for CUDA, with the model still on CPU)."""
     was_training = model.training
     model.eval()
     try:
-        return model(input_ids=input_ids, use_cache=False).logits.float()
+        with use_backend("torch"):
+            return model(input_ids=input_ids, use_cache=False).logits.float()
     finally:
         model.train(was_training)
 

@@ -1,6 +1,6 @@
 """Each gpu_check step in a child process of its own, with its own time limit, inside the run's budget.
 
-    parent (runner.run_steps)                    child (`python -m hf_moe.gpu_check.runner TARGET RESULT ...`)
+    parent (runner.run_steps)                    child (`python -m hf_moe.gpu_check.child TARGET ...`)
       plans the step's limit from the budget       imports the step's function and runs it: fn(step, smoke, limit)
       starts the child in a new process group      flushes the Step to RESULT as it goes (record.Step.flush), and
       kills the group at the limit                 at the end, with the Triton ops that fell back to torch
@@ -19,15 +19,12 @@ a step whose limit falls under its own `least` is skipped, saying so. A step wit
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +85,9 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
               log: Path) -> Step:
     """Run `spec` in a child process (its own process group), killed after `limit` seconds; its Step."""
     result, output = tmp / f"step{number}.json", tmp / f"step{number}.log"
-    cmd = [sys.executable, "-m", "hf_moe.gpu_check.runner", spec.target, str(result), "--number", str(number),
-           "--name", spec.name, "--limit", f"{limit:.1f}"] + (["--smoke"] if smoke else [])
+    cmd = [sys.executable, "-m", "hf_moe.gpu_check.child", spec.target, str(result), "--number", str(number),
+           "--name", spec.name, "--limit", f"{limit:.1f}", "--deadline", f"{time.time() + limit:.1f}"] + \
+        (["--smoke"] if smoke else [])
     start = time.monotonic()
     with open(output, "w") as out:
         child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
@@ -132,39 +130,3 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-# -- the child -------------------------------------------------------------------------------------------------------
-def child_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_moe.gpu_check.runner",
-                                     description="Run one gpu_check step (started by python -m hf_moe.gpu_check).")
-    parser.add_argument("target", help="module:function, called as function(step, smoke, limit)")
-    parser.add_argument("result", type=Path, help="where the step's JSON goes (rewritten as it goes)")
-    parser.add_argument("--number", type=int, default=0)
-    parser.add_argument("--name", default="step")
-    parser.add_argument("--limit", type=float, default=600.0, help="seconds the parent allows this step")
-    parser.add_argument("--smoke", action="store_true")
-    args = parser.parse_args(argv)
-    step = Step(args.number, args.name, RUNNING, limit=args.limit, path=args.result)
-    step.flush()
-    start = time.monotonic()
-    try:
-        module, function = args.target.split(":")
-        getattr(importlib.import_module(module), function)(step, args.smoke, args.limit)
-    except Exception as err:  # a step's failure is a result: recorded, and the parent goes on to the next step
-        message = str(err).strip()
-        step.status = FAILED
-        step.summary = f"{type(err).__name__}: {message.splitlines()[0][:300]}" if message else type(err).__name__
-        step.detail += f"\n\n{code_block(traceback.format_exc(), 6000)}\n"
-    step.seconds = time.monotonic() - start
-    step.flush()
-    if step.fell_back:
-        ops = "; ".join(f"{op} ({err})" for op, err in step.fell_back.items())
-        step.status = FAILED
-        step.summary = f"Triton fell back to torch: {ops}; " + step.summary
-        step.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(child_main())

@@ -3,6 +3,7 @@ and compute-sanitizer. Each runs in a child process (runner.py) as fn(step, smok
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -75,15 +76,30 @@ def step_environment(step, smoke: bool, limit: float) -> None:
     step.data["runnable"] = usable
 
 
-def _pytest(select: str, timeout: float, prefix: list[str] | None = None, env: dict | None = None):
-    """(exit status, output, launches {kernel: count}, fell_back {op: error}) of tests/test_triton.py -k `select`."""
+def _pytest(select: str, timeout: float, prefix: list[str] | None = None, env: dict | None = None, workers: int = 0):
+    """(exit status, output, launches {kernel: count}, fell_back {op: error}) of tests/test_triton.py -k `select`,
+    on `workers` pytest-xdist processes (0: in pytest's own process)."""
     with tempfile.TemporaryDirectory() as tmp:
         launches = Path(tmp) / "launches.json"
         cmd = [*(prefix or []), sys.executable, "-m", "pytest", str(TRITON_TESTS), "-v", "-p", "no:cacheprovider",
-               "-k", select]
+               "-k", select, *(["-n", str(workers)] if workers else [])]
         status, out = _run(cmd, timeout, {**(env or {}), LAUNCHES_FILE: str(launches)})
-        found = json.loads(launches.read_text()) if launches.is_file() else {}
-    return status, out, found.get("launches", {}), found.get("fell_back", {})
+        counts, fell_back = {}, {}
+        for path in sorted(Path(tmp).glob("launches.json*")):  # launches.json, or one per worker: launches.json.gw0
+            found = json.loads(path.read_text())
+            for kernel, n in found.get("launches", {}).items():
+                counts[kernel] = counts.get(kernel, 0) + n
+            fell_back.update(found.get("fell_back", {}))
+    return status, out, counts, fell_back
+
+
+def xdist_workers(smoke: bool) -> int:
+    """pytest-xdist processes for the kernel tests on a GPU: most of their time is Triton compiling (and autotuning)
+    kernels on the host, one process per two cores, at most 8 (on the H100 of 2026-11-27, in one process, they took
+    over 235 s). 0 under --smoke (a few quick tests) or without pytest-xdist."""
+    if smoke or importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _summary_line(out: str) -> str:
@@ -104,8 +120,10 @@ def step_triton_tests(step, smoke: bool, limit: float) -> None:
         return
     select = SMOKE_TESTS if smoke else GPU_TESTS
     env = {"HF_MOE_BACKEND": "triton"}
-    status, out, launches, fell_back = _pytest(select, limit - MARGIN, env=env)
-    where = "CPU tensors under TRITON_INTERPRET=1 (--smoke: a few quick tests)" if smoke else "CUDA, no interpreter"
+    workers = xdist_workers(smoke)
+    status, out, launches, fell_back = _pytest(select, limit - MARGIN, env=env, workers=workers)
+    where = "CPU tensors under TRITON_INTERPRET=1 (--smoke: a few quick tests)" if smoke else \
+        f"CUDA, no interpreter, {f'{workers} pytest-xdist workers' if workers else 'one process'}"
     step.fell_back.update(fell_back)
     step.data = dict(where=where, select=select, exit_status=status, launches=launches, output=out[-20000:])
     step.detail = f"{where}; `pytest {TRITON_TESTS.relative_to(ROOT)} -k \"{select}\"`\n\n{code_block(out)}"
@@ -157,7 +175,7 @@ def _tiny_model(device: torch.device, smoke: bool):
         dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16)
     torch.manual_seed(0)
     dense = LlamaForCausalLM(LlamaConfig(vocab_size=512, num_hidden_layers=2, num_key_value_heads=4, **size))
-    return convert_to_moe(dense, num_experts=8, top_k=2, noise=0.05).to(device).train()
+    return convert_to_moe(dense.to(device), num_experts=8, top_k=2, noise=0.05).to(device).train()
 
 
 def step_training(step, device: torch.device, smoke: bool) -> None:
