@@ -1071,7 +1071,7 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/gpu_check/runner.py", 'open(output, "w")'): "writes a step's output file in gpu_check's --out",
     ("hf_moe/gpu_check/runner.py", "output.read_text(errors="): "reads back a step's output file (--out)",
     ("hf_moe/gpu_check/runner.py", 'open(log, "a")'): "appends to gpu_check's logs.txt (--out)",
-    ("hf_moe/gpu_check/steps.py", "json.loads(path.read_text())"): "gpu_check's kernel launch counts (temp dir)",
+    ("hf_moe/gpu_check/steps.py", "json.loads(found.read_text())"): "gpu_check's kernel launch counts (temp dir)",
 }
 
 

@@ -84,13 +84,20 @@ def _pytest(select: str, timeout: float, prefix: list[str] | None = None, env: d
         cmd = [*(prefix or []), sys.executable, "-m", "pytest", str(TRITON_TESTS), "-v", "-p", "no:cacheprovider",
                "-k", select, *(["-n", str(workers)] if workers else [])]
         status, out = _run(cmd, timeout, {**(env or {}), LAUNCHES_FILE: str(launches)})
-        counts, fell_back = {}, {}
-        for path in sorted(Path(tmp).glob("launches.json*")):  # launches.json, or one per worker: launches.json.gw0
-            found = json.loads(path.read_text())
-            for kernel, n in found.get("launches", {}).items():
-                counts[kernel] = counts.get(kernel, 0) + n
-            fell_back.update(found.get("fell_back", {}))
+        counts, fell_back = launch_records(launches)
     return status, out, counts, fell_back
+
+
+def launch_records(path: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """({kernel: launches}, {op: error}) that tests/test_triton.py wrote to `path` or, on pytest-xdist workers, to
+    `path`.gw0, `path`.gw1, ...: summed over the workers."""
+    counts, fell_back = {}, {}
+    for found in sorted(path.parent.glob(path.name + "*")):
+        record = json.loads(found.read_text())
+        for kernel, n in record.get("launches", {}).items():
+            counts[kernel] = counts.get(kernel, 0) + n
+        fell_back.update(record.get("fell_back", {}))
+    return counts, fell_back
 
 
 def xdist_workers(smoke: bool) -> int:
