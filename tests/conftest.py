@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +104,25 @@ def logits_of_a_tiny_moe(which: str) -> torch.nn.Module:
                                       num_experts_per_tok=2, intermediate_size=16)
         model = AutoModelForCausalLM.from_config(config, experts_implementation="hf_moe")
     return _Logits(model.eval())
+
+
+def hub_cache(source: Path, cache: Path, repo: str = "org/moe", revision: str = "main", subfolder: str = "") -> Path:
+    """Lay `source` out as huggingface_hub caches a download of `repo` (offline, nothing fetched): each file's bytes in
+    blobs/<sha256>, snapshots/<commit>/[subfolder/]<file> a relative link to its blob, refs/<revision> naming the
+    commit. Returns the snapshot's directory (the subfolder's)."""
+    import hashlib
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    commit = hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
+    snapshot = root / "snapshots" / commit / subfolder
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file():
+            data = path.read_bytes()
+            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / revision).write_text(commit)
+    return snapshot

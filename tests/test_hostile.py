@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_dense
+from conftest import hub_cache, random_ids, tiny_dense
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -1098,28 +1098,6 @@ def test_every_read_of_a_checkpoint_file_goes_through_the_guard():
 # --------------------------------------------------------------------------------------------------------------
 # 14. A checkpoint named by its Hub id (issue 28): resolved to its snapshot in the cache, then checked as any directory
 # --------------------------------------------------------------------------------------------------------------
-def hub_cache(source: Path, cache: Path, repo: str = "org/moe", revision: str = "main", subfolder: str = "") -> Path:
-    """Lay `source` out as huggingface_hub caches a download of `repo` (offline, nothing fetched): each file's bytes in
-    blobs/<sha256>, snapshots/<commit>/[subfolder/]<file> a relative link to its blob, refs/<revision> naming the
-    commit. Returns the snapshot's directory (the subfolder's)."""
-    import hashlib
-
-    root = cache / f"models--{repo.replace('/', '--')}"
-    commit = hashlib.sha1(f"{repo}@{revision}".encode()).hexdigest()
-    snapshot = root / "snapshots" / commit / subfolder
-    snapshot.mkdir(parents=True)
-    (root / "blobs").mkdir(exist_ok=True)
-    for path in sorted(source.iterdir()):
-        if path.is_file():
-            data = path.read_bytes()
-            blob = root / "blobs" / hashlib.sha256(data).hexdigest()
-            blob.write_bytes(data)
-            (snapshot / path.name).symlink_to(os.path.relpath(blob, snapshot))
-    (root / "refs").mkdir(exist_ok=True)
-    (root / "refs" / revision).write_text(commit)
-    return snapshot
-
-
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
     """An empty Hugging Face cache, offline, which huggingface_hub (so `hf-moe`) uses by default."""

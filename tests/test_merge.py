@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,23 +131,6 @@ def test_bad_recipes_are_refused_with_the_field_named(sources, change, message):
     with pytest.raises(MergeConfigError) as err:
         parse_merge_config({**_recipe(sources), **change})
     assert message in str(err.value)
-
-
-def test_hub_ids_are_read_from_their_snapshot(sources, tmp_path, monkeypatch):
-    """mergekit configs name Hub models (`org/name`, `org/name@revision`): merged from huggingface_hub's snapshot."""
-    import huggingface_hub
-
-    fetched = []
-
-    def snapshot(repo, revision=None, allow_patterns=None):
-        fetched.append((repo, revision))
-        return sources[int(repo[-1])]
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
-    recipe = _recipe(["org/m0", "org/m1@v2", "org/m2", sources[3]])
-    merge_to_moe(recipe, tmp_path / "out", progress=False)
-    assert fetched == [("org/m0", None), ("org/m1", "v2"), ("org/m2", None)]
-    assert MoEForCausalLM.from_pretrained(tmp_path / "out").config.num_experts == 3
 
 
 def test_same_prompts_for_every_expert_is_refused_as_mergekit_does(sources):
@@ -388,3 +372,29 @@ def test_merge_benchmark_quality_smoke_run(tmp_path):
     assert "BTX's claim" in report
     run = json.loads((tmp_path / "merge_quality_runs.jsonl").read_text().splitlines()[0])
     assert set(run["own_expert"]["btx"]) == {"kjv", "pydocs", "pycode", "best"}
+
+
+def test_sources_named_by_hub_id_merge_from_their_cached_snapshots(sources, tmp_path, monkeypatch):
+    """mergekit's `org/name` and `org/name@revision` sources resolve through the same code as a checkpoint loaded by
+    its Hub id (hf_moe.checkpoint.hub.resolve_checkpoint: the cache's refs checked); offline, an id the cache lacks is
+    refused naming it."""
+    import huggingface_hub.constants as constants
+    from conftest import hub_cache
+
+    from hf_moe.convert.merge_checks import localize
+    from hf_moe.convert.merge_config import load_merge_config
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    base = hub_cache(Path(sources[0]), cache, repo="org/base")
+    tuned = hub_cache(Path(sources[1]), cache, repo="org/tuned", revision="v1")
+    recipe = localize(load_merge_config(_recipe(["org/base", "org/tuned@v1", sources[2]])))
+    assert recipe.base_model == str(base.resolve())
+    assert [e.source_model for e in recipe.experts] == [str(tuned.resolve()), sources[2]]
+    merge_to_moe(_recipe(["org/base", "org/tuned@v1", sources[2]]), tmp_path / "out", progress=False)
+    assert MoEForCausalLM.from_pretrained(tmp_path / "out").config.num_experts == 2
+    with pytest.raises(FileNotFoundError, match="'org/missing' is not a local directory"):
+        merge_to_moe(_recipe(["org/base", "org/missing", sources[2]]), tmp_path / "out2", progress=False)
+    assert not (tmp_path / "out2").exists()

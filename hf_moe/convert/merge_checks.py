@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
+from ..checkpoint import CheckpointError
+from ..checkpoint.hub import is_hub_id, resolve_checkpoint
 from .api import _check_model_type
 from .merge_config import MergeConfig
 from .stream import StreamingUnsupported, _SafetensorsSource
@@ -77,23 +78,20 @@ def open_sources(recipe: MergeConfig, dtype: torch.dtype | None = None) -> dict[
     return sources
 
 
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-
-
 def localize(recipe: MergeConfig) -> MergeConfig:
     """`recipe` with every Hub id (`org/name`, or mergekit's `org/name@revision`, that is not a local directory)
-    replaced by its local snapshot (huggingface_hub's cache; downloaded once, safetensors and tokenizer only)."""
+    replaced by its local snapshot in huggingface_hub's cache (`resolve_checkpoint`: downloaded once, unless
+    offline; the config, safetensors and tokenizer files)."""
     paths = {}
     for path in recipe.sources():
-        if os.path.isdir(path) or not _HUB_ID.fullmatch(path):
-            continue
-        from huggingface_hub import snapshot_download
-
         repo, _, revision = path.partition("@")
+        if os.path.isdir(path) or not is_hub_id(repo):
+            continue
         try:
-            paths[path] = snapshot_download(repo, revision=revision or None, allow_patterns=_HUB_FILES)
-        except Exception as err:  # offline, no such repository, gated
+            paths[path] = resolve_checkpoint(repo, revision=revision or None)
+        except (FileNotFoundError, CheckpointError):
+            raise
+        except Exception as err:  # no such repository or revision, gated, no network
             raise FileNotFoundError(
                 f"{path} is not a local directory and could not be fetched from the Hub ({type(err).__name__}: "
                 f"{err}). Download it first, or name a local directory."
