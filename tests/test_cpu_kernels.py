@@ -143,6 +143,25 @@ def test_infer_every_activation(activation, kind, kernels, compiled):
     _close(out, _oracle(x, index, weights, d1, b1, d2, b2, activation, True, bf16, bf16), bf16)
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8", "int8_group32"])
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch(kind, compiled):
+    """A decode step (one row per expert: the kernels read the weight rows one after the other) and a batch of up to
+    4 rows per expert (a register tile over the rows side by side) sum each row in the same order: equal bits. The
+    sizes leave masked tails."""
+    hidden, inter = (96, 128) if kind == "int8_group32" else (80, 112)
+    x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(2))
+    x = x.bfloat16() if kind == "bf16" else x
+    index = torch.tensor([[0, 2]] * 4)
+    weights = torch.tensor([[0.7, 0.3]] * 4)
+    w1, b1, w2, b2 = _weights(3, hidden, inter, True, False)
+    (w1, s1, w2, s2), _ = _prepared(kind, w1, w2, hidden, inter)
+    batch = torch.ops.hf_moe.moe_experts_infer(x, index, weights, w1, s1, b1, w2, s2, b2, "silu", True)
+    for t in range(4):
+        alone = torch.ops.hf_moe.moe_experts_infer(x[t:t + 1], index[t:t + 1], weights[t:t + 1], w1, s1, b1, w2, s2,
+                                                   b2, "silu", True)
+        assert torch.equal(alone[0], batch[t]), t
+
+
 def test_avx512_and_portable_kernels_agree(compiled):
     if torch.ops.hf_moe.serve_isa() != "avx512_bf16":
         pytest.skip("this CPU has no AVX-512 BF16: only the portable kernels run")
