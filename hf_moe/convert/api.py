@@ -20,8 +20,8 @@ from ..configuration import MoEConfig, _brief
 from ..layers import SparseMoeBlock
 from ..layers.adapter_experts import ADAPTER_METHODS
 from ..model_card import hub_model_id
-from ..ops import use_backend
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
+from ..ops import use_backend
 from .adapter_experts import (
     ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_spec, base_reference, check_adapter_options,
     freeze_base,

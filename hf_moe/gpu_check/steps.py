@@ -101,9 +101,10 @@ def launch_records(path: Path) -> tuple[dict[str, int], dict[str, str]]:
 
 
 def xdist_workers(smoke: bool) -> int:
-    """pytest-xdist processes for the kernel tests on a GPU: most of their time is Triton compiling (and autotuning)
-    kernels on the host, one process per two cores, at most 8 (on the H100 of 2026-11-27, in one process, they took
-    over 235 s). 0 under --smoke (a few quick tests) or without pytest-xdist."""
+    """pytest-xdist processes for the kernel tests on a GPU, one per two cores, at most 8: in one process they took
+    over 235 s on the H100 of 2026-11-27 (where that time goes was not measured; Triton compiles every kernel and
+    autotune configuration on the host, which workers spread over its cores). 0 under --smoke (a few quick tests)
+    or without pytest-xdist."""
     if smoke or importlib.util.find_spec("xdist") is None:
         return 0
     return max(1, min(8, (os.cpu_count() or 2) // 2))
