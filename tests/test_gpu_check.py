@@ -216,7 +216,7 @@ def test_a_budget_under_the_steps_minimum_is_refused(capsys):
 @pytest.mark.slow
 @interpreter
 def test_kernel_tests_run_on_xdist_workers_and_each_records_its_launches():
-    """On the H100 tests/test_triton.py took over 235 s in one process (Triton compiling on the host); the step runs
+    """On the H100 tests/test_triton.py took over 235 s in one process; the step runs
     it on pytest-xdist workers, each writing its own launch counts."""
     from hf_moe.gpu_check.steps import SMOKE_TESTS, _pytest
 
