@@ -5,8 +5,8 @@
 #   * `import hf_moe`;
 #   * the tests that touch transformers' internals most (modeling, loading and saving, conversion of every family,
 #     export, Trainer, routers, the experts interface), on the pure-torch ops;
-#   * the tests of the Triton kernels (triton 3.6's interpreter, which needs numpy < 2.4, and its sm90 compiler),
-#     `python -m hf_moe.gpu_check --smoke` and scripts/first_light.sh, and those of torch's internals: expert
+#   * the Triton kernels through triton 3.6's sm90 compiler, `python -m hf_moe.gpu_check --smoke` (triton 3.6's
+#     interpreter, which needs numpy < 2.4) and scripts/first_light.sh, and the tests of torch's internals: expert
 #     parallelism x FSDP2 with DTensors, torch.compile and torch.export of the custom ops.
 # The venv lives outside the checkout ($HF_MOE_TEST_VENVS, default ~/.cache/hf_moe/venvs) and is reused while the
 # versions below stay the same (a run that reuses it starts its tests ~30 s after the call). A fresh machine
@@ -61,7 +61,10 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 # compiler), gpu_check --smoke and first_light.sh, expert parallelism x FSDP2 (DTensor, DCP), torch.export programs.
 # Left out: what does not depend on these versions and runs in the main suite (gpu_check's runner and fallback tests,
 # the two Triton tests that build the C++ extension, the saved programs of the compiled backend, the DDP and launcher
-# tests), and tests/test_compile.py (parts of it fail on torch 2.11: docs/compatibility.md, known limits).
+# tests), and tests/test_compile.py (parts of it fail on torch 2.11: docs/compatibility.md, known limits). Also left
+# out: every kernel test under triton 3.6's interpreter (two minutes): the GPU compiles the kernels, which
+# test_every_kernel_compiles_for_sm90 does here with triton 3.6's own front end and compiler, and gpu_check --smoke
+# runs the interpreter on these versions; the main suite runs every kernel test under the interpreter (triton 3.9).
 HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile \
     tests/test_modeling.py tests/test_integration.py tests/test_checkpoint.py tests/test_convert.py \
     tests/test_families.py tests/test_export.py tests/test_training.py tests/test_routers.py \
@@ -69,4 +72,5 @@ HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WO
     tests/test_triton.py tests/test_gpu_check.py tests/test_saved_programs.py tests/test_parallel.py \
     tests/test_distributed.py \
     -k "not (env_reports_the_triton_backend or cuda_defaults_to_torch or falls_back_to_torch_fails or crash_a_hang \
-or cut_short or overweighted or accelerate_launch_example or (saved_program_loads_in_a_fresh_process and auto))"
+or cut_short or overweighted or accelerate_launch_example or (saved_program_loads_in_a_fresh_process and auto) \
+or kernels_under_the_interpreter)"
