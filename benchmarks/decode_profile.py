@@ -106,10 +106,10 @@ class Mode:
             return self._aoti()
         settings = MODES[self.name]
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
-        if settings["fused"]:
+        if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
             step = FusedDecodeStep(self.model, options, fallback=None)
-            return lambda: step.compiled(self.token, self._positions(), self._mask(),
-                                         self.static_layers(self.cache))
+            return lambda: step(input_ids=self.token, position_ids=self._positions(),
+                                attention_mask=self._mask()[:, None, None], **self.cache_kwargs).logits
         forward = torch.compile(self.model.__call__, fullgraph=True, dynamic=False, options=options or None)
         return lambda: forward(self.token, position_ids=self._positions(), attention_mask=self._mask()[:, None, None],
                                use_cache=True, **self.cache_kwargs).logits

@@ -197,7 +197,7 @@ def triton_interpreter_problem() -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# torch: the decomposition table, and DDP's parameters-to-ignore convention
+# torch: the decomposition table, Dynamo's stance, and DDP's parameters-to-ignore convention
 # --------------------------------------------------------------------------------------------------------------
 def register_decomposition(op, fn) -> None:
     """Put `fn` in torch's decomposition table as the decomposition of `op` (an OpOverload):
@@ -217,6 +217,17 @@ def ddp_ignore_parameters(module, names) -> None:
 
     names = sorted(set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | set(names))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
+def skipping_guards():
+    """A context in which Dynamo skips guard evaluation (`torch.compiler.set_stance(..., skip_guard_eval_unsafe=True)`,
+    public) while keeping the caller's stance ("default", "force_eager", "fail_on_recompile", ...): that stance is
+    `torch._dynamo.eval_frame._stance` (private, torch 2.11 to 2.13), which has no public getter."""
+    import torch
+    from torch._dynamo import eval_frame
+
+    stance = getattr(getattr(eval_frame, "_stance", None), "stance", "default")
+    return torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True)
 
 
 def allow_dtensor_unpickling() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .compat import CACHE_NAME, static_cache_layers
+from .compat import CACHE_NAME, skipping_guards, static_cache_layers
 from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .ops import backend_setting, load_extension
 
@@ -113,12 +113,24 @@ class FusedDecodeStep:
     token on an initialised static cache, and `fallback()`'s call (transformers' compiled forward) otherwise.
 
     Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=options)`), once per batch
-    size and cache length, as transformers' own compiled step."""
+    size and cache length, as transformers' own compiled step.
+
+    Dynamo's guards (a check of every module attribute and weight the step reads, a few thousand of them) are
+    evaluated on the first step of each `generate` call, which may recompile; the later steps of the call, on the
+    same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)` around the call
+    alone, in the caller's stance): they cost 1.9 ms of a 20 ms step of the quickstart's model (benchmarks/decode_profile.py). Nothing
+    that the guards check changes between two steps of one call; `MoEForCausalLM.generate` calls `reset` first,
+    so a model changed between calls (quantized, its modules replaced) is checked and recompiled for."""
 
     def __init__(self, model, options: dict | None, fallback):
         self.model = model
         self.fallback = fallback
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options or None)
+        self.trusted = None  # the (cache, shapes) whose step passed every guard in this generate call; None: none
+
+    def reset(self) -> None:
+        """A new `generate` call: its first step evaluates every guard again."""
+        self.trusted = None
 
     def handles(self, kwargs: dict, layers: list | None) -> bool:
         """Whether the call (forward's keyword arguments; `layers`: `static_cache_layers` of its cache) is one the
@@ -139,9 +151,17 @@ class FusedDecodeStep:
     def __call__(self, **kwargs):
         layers = static_cache_layers(kwargs.get(CACHE_NAME))
         if not self.handles(kwargs, layers):
+            self.trusted = None
             return self.fallback()(**kwargs)
         mask = _full_attention_mask(kwargs.get("attention_mask"))
-        logits = self.compiled(kwargs["input_ids"], kwargs["position_ids"], mask, layers)
+        args = (kwargs["input_ids"], kwargs["position_ids"], mask, layers)
+        key = (id(layers[0][0]), len(layers), tuple(kwargs["input_ids"].shape), None if mask is None else mask.shape)
+        if key == self.trusted:  # a later step of this call, on the cache and shapes of its first
+            with skipping_guards():
+                logits = self.compiled(*args)
+        else:
+            logits = self.compiled(*args)
+            self.trusted = key
         return self.model.output_class(logits=logits, **{CACHE_NAME: kwargs[CACHE_NAME]})
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: list):
@@ -172,4 +192,22 @@ class FusedDecodeStep:
 def fused_decode_step(model, options: dict | None, fallback) -> FusedDecodeStep | None:
     """The fused step of `model`, or None where `unsupported(model)` says why not."""
     return None if unsupported(model) is not None else FusedDecodeStep(model, options, fallback)
+
+
+def decode_step(model, config, fallback) -> FusedDecodeStep | None:
+    """`fused_decode_step` of `model` for a compile config (`hf_moe.generation.DecodeCompileConfig`), made once per
+    config and kept on the model (`_hf_moe_decode_steps`: (config, step) pairs, so one compilation per config)."""
+    steps = model.__dict__.setdefault("_hf_moe_decode_steps", [])
+    step = next((step for known, step in steps if known == config), False)
+    if step is False:
+        step = fused_decode_step(model, config.options, fallback)
+        steps.append((config, step))
+    return step
+
+
+def reset_decode_steps(model) -> None:
+    """`FusedDecodeStep.reset` of every step made for `model` (a new `generate` call)."""
+    for _, step in model.__dict__.get("_hf_moe_decode_steps", []):
+        if step is not None:
+            step.reset()
 

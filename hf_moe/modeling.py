@@ -42,7 +42,7 @@ from .compat import (
 )
 from .configuration import MoEConfig, _base_config_class, moe_config_class
 from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
-from .decode import fused_decode_step
+from .decode import decode_step, reset_decode_steps
 from .generation import DecodeCompileConfig, prepare_generate_kwargs
 from .layers import SparseMoeBlock
 from .layers.adapter_experts import AdapterExperts
@@ -455,12 +455,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         the fused decode step (`hf_moe.decode`) where the architecture allows it, else transformers' own."""
         if not (isinstance(compile_config, DecodeCompileConfig) and compile_config.fused):
             return super().get_compiled_call(compile_config)
-        steps = self.__dict__.setdefault("_hf_moe_decode_steps", [])  # (config, step): one compilation per config
-        step = next((step for config, step in steps if config == compile_config), False)
-        if step is False:
-            step = fused_decode_step(self, compile_config.options,
-                                     lambda: super(MoEForCausalLM, self).get_compiled_call(compile_config))
-            steps.append((compile_config, step))
+        step = decode_step(self, compile_config, lambda: super(MoEForCausalLM, self).get_compiled_call(compile_config))
         return step if step is not None else super().get_compiled_call(compile_config)
 
     def generate(self, *args, **kwargs):
@@ -469,6 +464,7 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         there, as transformers does for ZeRO-3 and FSDP. With a static cache (`cache_implementation="static"`)
         the decode step is compiled once, on CPU too (`hf_moe.generation`)."""
         kwargs = prepare_generate_kwargs(self, args, kwargs)
+        reset_decode_steps(self)  # the call's first step checks every guard (the model may have changed since)
         if getattr(self, "expert_parallel_plan", None) is not None:
             call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
             if call.arguments.get("synced_gpus") is None:

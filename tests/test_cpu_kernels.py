@@ -1,6 +1,7 @@
-"""The compiled inference kernel `hf_moe::moe_experts_infer` (csrc/cpu/serve_cpu.cpp, serve_kernels.cpp) against the
-pure-torch reference: fp32, bf16 and int8 (dequantize-then-matmul) weights, fp32 and bf16 activations, both kernel
-sets (AVX-512 BF16 where the CPU has it, and the portable C++ one), on the routing edge cases of test_ops.py."""
+"""The compiled inference kernel `hf_moe::moe_experts_infer` (csrc/cpu/serve_cpu.cpp, serve_kernels.cpp and
+serve_kernels_q8.cpp) against the pure-torch reference: fp32, bf16 and int8 (dequantize-then-matmul) weights, fp32
+and bf16 activations, both kernel sets (AVX-512 BF16 where the CPU has it, and the portable C++ one), on the routing
+edge cases of test_ops.py."""
 
 from __future__ import annotations
 

@@ -324,6 +324,40 @@ def test_int8_linears_decode_fused_with_the_eager_int8_tokens():
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.slow
+def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch):
+    """The fused step skips Dynamo's guards after the first step of a `generate` call (hf_moe.decode); each call's
+    first step evaluates them all, so a model quantized between two calls that share one static cache (the
+    caller's, reset) decodes as the quantized model."""
+    from transformers import StaticCache
+
+    import hf_moe.decode
+    from hf_moe.compat import CACHE_NAME
+
+    skipped = []
+
+    def counting():
+        skipped.append(1)
+        return hf_moe.compat.skipping_guards()
+
+    monkeypatch.setattr(hf_moe.decode, "skipping_guards", counting)
+    torch.compiler.reset()
+    moe = converted().to(torch.bfloat16)
+    ids = random_ids(1, 10, seed=4)
+    cache = StaticCache(config=moe.config, max_cache_len=64)
+    reused = {CACHE_NAME: cache, "compile_config": decode_compile_config()}
+    greedy(moe, ids, 5, **reused)
+    assert len(skipped) == 3  # 5 tokens: the prefill's, then 4 decode steps, the first of them checked
+    hf_moe.quantize_experts(moe, "int8", linears=True)  # new modules: the bf16 graph no longer fits
+    with torch.compiler.set_stance("force_eager"):
+        eager = greedy(moe, ids, 6)
+    cache.reset()
+    fast = greedy(moe, ids, 6, **reused)
+    assert len(skipped) == 3 + 4
+    assert torch.equal(eager.sequences, fast.sequences)
+    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
+
+
 def test_unsupported_models_decode_with_transformers_compiled_step():
     """A model the fused step does not cover (gemma's layer) compiles transformers' own decode step, as before."""
     from hf_moe.generation import decode_compile_config

@@ -1,4 +1,5 @@
-// What the AVX-512 kernels of several files share: the target attribute, e^x, and the run-time CPU check.
+// What the AVX-512 kernels of several files share: the target attribute, e^x, horizontal sums, and the run-time
+// CPU check.
 //
 // Everything here has internal linkage (static, or an anonymous namespace), so a copy compiled for AVX-512 in one
 // file is never merged by the linker with code a non-AVX-512 caller runs. Callers check `cpu_has_avx512_bf16()`
@@ -35,6 +36,27 @@ HF_AVX512 inline __m512 exp512(__m512 x) {
 // The first n (< 16) lanes, or all 16.
 HF_AVX512 inline __mmask16 lanes16(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// Four horizontal sums at once: [sum(a), sum(b), sum(c), sum(d)].
+HF_AVX512 inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+template <int MR, int NR>
+HF_AVX512 inline void store_tile(__m512 (&acc)[MR][NR], float* out, int64_t ldo) {
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(out + m * ldo, reduce4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else {
+      for (int j = 0; j < NR; ++j) out[m * ldo + j] = _mm512_reduce_add_ps(acc[m][j]);
+    }
+  }
 }
 
 inline bool cpu_has_avx512_bf16() {
