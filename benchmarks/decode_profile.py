@@ -15,6 +15,8 @@ alike). Modes:
     max_autotune   freezing, plus inductor's CPU GEMM templates (benchmarked against ATen's at compile time)
     fused          hf_moe's fused decode step (hf_moe.decode), hf_moe's default options (the C++ wrapper)
     fused_python   the fused step with inductor's Python wrapper
+    fused_checked  the fused step with Dynamo's guards checked on every step (fused: on the first step only);
+                   with fused in the same run, the same compiled program
     aoti           the fused step exported (torch.export) and compiled ahead of time by AOTInductor into a package,
                    loaded and run from C++ (torch._inductor.aoti_load_package)
 
@@ -78,7 +80,9 @@ def step_bytes(model) -> int:
 class Mode:
     """One way of running decode steps, on a cache of its own."""
 
-    def __init__(self, name: str, model, prompt: torch.Tensor, cache_len: int):
+    def __init__(self, name: str, model, prompt: torch.Tensor, cache_len: int, programs: dict | None = None):
+        """`programs`: {inductor options: compiled fused step}, shared by the fused modes of a run, so that fused and
+        fused_checked run one compiled program (one Dynamo cache entry) and differ only in the guards checked."""
         from transformers import DynamicCache, StaticCache
 
         from hf_moe.compat import cache_kwargs, static_cache_layers
@@ -93,6 +97,7 @@ class Mode:
         self.mask[:, :self.position] = True
         self.cache_kwargs = cache_kwargs(self.cache)
         self.static_layers = static_cache_layers
+        self.programs = {} if programs is None else programs
         self.run = self._build()
 
     def _build(self):
@@ -107,7 +112,8 @@ class Mode:
         settings = MODES[self.name]
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
         if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
-            step = FusedDecodeStep(self.model, options, fallback=None)
+            step = FusedDecodeStep(self.model, options, None, settings.get("skip_guards", True))
+            step.compiled = self.programs.setdefault(repr(sorted((options or {}).items())), step.compiled)
             return lambda: step(input_ids=self.token, position_ids=self._positions(),
                                 attention_mask=self._mask()[:, None, None], **self.cache_kwargs).logits
         forward = torch.compile(self.model.__call__, fullgraph=True, dynamic=False, options=options or None)
@@ -252,12 +258,12 @@ def main() -> None:
         hf_moe.quantize_experts(model, "int8", linears=args.int8 == "all")
     prompt = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     assert prompt.shape[1] + args.steps + 20 <= args.cache_len
-    modes, warm = [], {}
+    modes, warm, programs = [], {}, {}
     with torch.inference_mode():
         for name in args.modes.split(","):
             start = time.perf_counter()
             try:
-                mode = Mode(name, model, prompt, args.cache_len)
+                mode = Mode(name, model, prompt, args.cache_len, programs)
                 for _ in range(5):  # warm-up; the compiled modes compile on their first step
                     mode.step()
             except Exception as err:  # a way that cannot run here: said, and left out

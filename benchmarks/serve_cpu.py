@@ -266,7 +266,7 @@ def main() -> None:
     p.add_argument("--precisions", default="fp32,bf16,int8")
     p.add_argument("--modes", default="eager,compiled,fused",
                    help="eager, and the compiled decode steps of serve_worker.py's MODES: compiled, cpp_wrapper, "
-                        "freezing, max_autotune, fused, fused_python (fused*: hf_moe only)")
+                        "freezing, max_autotune, fused, fused_python, fused_checked (fused*: hf_moe only)")
     p.add_argument("--int8", default="int8,int8all",
                    help="hf_moe's int8 contestants: int8 (experts), int8all (experts and the other linear layers)")
     p.add_argument("--engines", default="hf_moe,native,llamacpp")

@@ -23,6 +23,8 @@ Commands (each generate/nll on a fresh cache):
              fused         hf_moe's fused decode step (hf_moe.decode) with hf_moe's default options (the C++
                            wrapper); transformers' own models ignore `fused` and run `cpp_wrapper`
              fused_python  the fused step with inductor's Python wrapper
+             fused_checked the fused step with Dynamo's guards checked on every step (`skip_guards=False`; the
+                           fused step checks them on each call's first step only)
     {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
     {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
 """
@@ -49,6 +51,7 @@ MODES = {
                                                "max_autotune_gemm_backends": "CPP,ATEN"}),
     "fused": dict(fused=True),
     "fused_python": dict(fused=True, options={}),
+    "fused_checked": dict(fused=True, skip_guards=False),
 }
 
 

@@ -115,16 +115,18 @@ class FusedDecodeStep:
     Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=options)`), once per batch
     size and cache length, as transformers' own compiled step.
 
-    Dynamo's guards (a check of every module attribute and weight the step reads, a few thousand of them) are
-    evaluated on the first step of each `generate` call, which may recompile; the later steps of the call, on the
-    same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)` around the call
-    alone, in the caller's stance): they cost 1.9 ms of a 20 ms step of the quickstart's model (benchmarks/decode_profile.py). Nothing
-    that the guards check changes between two steps of one call; `MoEForCausalLM.generate` calls `reset` first,
-    so a model changed between calls (quantized, its modules replaced) is checked and recompiled for."""
+    With `skip_guards`, Dynamo's guards (a check of every module attribute and weight the step reads, a few thousand
+    of them) are evaluated on the first step of each `generate` call, which may recompile; the later steps of the
+    call, on the same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)` around
+    the call alone, in the caller's stance). They cost 1.9 ms of a 20 ms step of the quickstart's model
+    (docs/serving-cpu.md). Nothing that the guards check changes between two steps of one call;
+    `MoEForCausalLM.generate` calls `reset` first, so a model changed between calls (quantized, its modules
+    replaced) is checked, and compiled for again."""
 
-    def __init__(self, model, options: dict | None, fallback):
+    def __init__(self, model, options: dict | None, fallback, skip_guards: bool = True):
         self.model = model
         self.fallback = fallback
+        self.skip_guards = skip_guards
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options or None)
         self.trusted = None  # the (cache, shapes) whose step passed every guard in this generate call; None: none
 
@@ -156,7 +158,7 @@ class FusedDecodeStep:
         mask = _full_attention_mask(kwargs.get("attention_mask"))
         args = (kwargs["input_ids"], kwargs["position_ids"], mask, layers)
         key = (id(layers[0][0]), len(layers), tuple(kwargs["input_ids"].shape), None if mask is None else mask.shape)
-        if key == self.trusted:  # a later step of this call, on the cache and shapes of its first
+        if self.skip_guards and key == self.trusted:  # a later step of this call, on its first step's cache
             with skipping_guards():
                 logits = self.compiled(*args)
         else:
@@ -189,9 +191,9 @@ class FusedDecodeStep:
         return _decode_linear(hidden, self.model.lm_head)[:, None]  # [B, 1, V]
 
 
-def fused_decode_step(model, options: dict | None, fallback) -> FusedDecodeStep | None:
+def fused_decode_step(model, options: dict | None, fallback, skip_guards: bool = True) -> FusedDecodeStep | None:
     """The fused step of `model`, or None where `unsupported(model)` says why not."""
-    return None if unsupported(model) is not None else FusedDecodeStep(model, options, fallback)
+    return None if unsupported(model) is not None else FusedDecodeStep(model, options, fallback, skip_guards)
 
 
 def decode_step(model, config, fallback) -> FusedDecodeStep | None:
@@ -200,7 +202,7 @@ def decode_step(model, config, fallback) -> FusedDecodeStep | None:
     steps = model.__dict__.setdefault("_hf_moe_decode_steps", [])
     step = next((step for known, step in steps if known == config), False)
     if step is False:
-        step = fused_decode_step(model, config.options, fallback)
+        step = fused_decode_step(model, config.options, fallback, getattr(config, "skip_guards", True))
         steps.append((config, step))
     return step
 
@@ -210,4 +212,3 @@ def reset_decode_steps(model) -> None:
     for _, step in model.__dict__.get("_hf_moe_decode_steps", []):
         if step is not None:
             step.reset()
-

@@ -46,14 +46,19 @@ DECODE_OPTIONS = {"cpp_wrapper": True}
 @dataclass
 class DecodeCompileConfig(CompileConfig):
     """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
-    where its architecture allows, compiled with the same settings. transformers' own models ignore it."""
+    where its architecture allows, compiled with the same settings, and `skip_guards`: the fused step checks
+    Dynamo's guards on the first step of each `generate` call only. Dynamo's stance is process-wide, so a server
+    that runs compiled code from several threads at once sets `skip_guards=False`. transformers' own models ignore
+    both."""
 
     fused: bool = True
+    skip_guards: bool = True
 
     def to_dict(self) -> dict:
         """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
         config = super().to_dict()
         config.pop("fused", None)
+        config.pop("skip_guards", None)
         if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
             config.pop("mode", None)
         else:
@@ -61,13 +66,15 @@ class DecodeCompileConfig(CompileConfig):
         return config
 
 
-def decode_compile_config(fused: bool = True, options: dict | None = None) -> DecodeCompileConfig:
+def decode_compile_config(fused: bool = True, options: dict | None = None,
+                          skip_guards: bool = True) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
     `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
     `fused=False`. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
     on CPU."""
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
-                                 options=dict(DECODE_OPTIONS if options is None else options), fused=fused)
+                                 options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
+                                 skip_guards=skip_guards)
     return compile_on_every_device(config)
 
 

@@ -356,6 +356,9 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     assert len(skipped) == 3 + 4
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
+    checked = greedy(moe, ids, 6, compile_config=decode_compile_config(skip_guards=False),
+                     cache_implementation="static")  # (servers that run compiled code from several threads)
+    assert len(skipped) == 3 + 4 and torch.equal(checked.sequences, eager.sequences)
 
 
 def test_unsupported_models_decode_with_transformers_compiled_step():
