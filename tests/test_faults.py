@@ -9,7 +9,7 @@ The writers: `save_pretrained`, `hf-moe convert` (streaming, the tokenizer inclu
     in the process that runs it. Killing before each step leaves, in turn, every state the writer can leave. Reads
     are not steps: an open by hf_moe's guarded opener (`open_fd`, read-only by contract) and the close of a
     descriptor it opened change nothing on disk, and a kill there leaves what the kill after the step before it
-    leaves (counting them tripled the export's kill points, 383 against 74, for no new state);
+    leaves (counted, they made the export's kill points 383 instead of 74, for no new state);
   * failed mid-write: RLIMIT_FSIZE (EFBIG, and the SIGXFSZ kill), EMFILE (RLIMIT_NOFILE), and ENOSPC on a small tmpfs
     mounted in a private mount namespace (where this machine allows one; the count says how many ran).
 `save_pretrained` and the training state are also killed before every step of their commit with RENAME_EXCHANGE

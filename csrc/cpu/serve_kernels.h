@@ -11,12 +11,11 @@
 #include <cstdint>
 
 #include "../hf_moe.h"
+#include "serve_tile.h"
 
 namespace hf_moe {
 namespace serve {
 
-// Output rows per kernel call (`cols` <= kTile) and activation rows per register tile.
-constexpr int kTile = 4;
 // Experts with at least this many rows (prefill) take the GEMM kernels: their activations are packed once, k-major
 // (`packed` below), and every weight row is broadcast against 32 activation rows at a time.
 constexpr int64_t kGemmRows = 16;

@@ -5,13 +5,14 @@
 // The helpers live in an anonymous namespace; the three entry points (serve_kernels_q8.h) are defined once, here.
 
 #include "serve_kernels_q8.h"
-#include "serve_kernels.h"  // kTile
+#include "serve_tile.h"
 
 #ifdef HF_MOE_HAS_AVX512_KERNELS
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 
 namespace hf_moe {
 namespace serve {
