@@ -70,7 +70,8 @@ def decode_compile_config(fused: bool = True, options: dict | None = None,
                           skip_guards: bool = True) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
     `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
-    `fused=False`. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
+    `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`
+    (`DecodeCompileConfig`). mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
     on CPU."""
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
                                  options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
