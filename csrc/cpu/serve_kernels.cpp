@@ -147,91 +147,59 @@ void gemm_bf16_portable(const uint16_t* w, int64_t ldw, int cols, const uint16_t
 // ---------------------------------------------------------------------------------------------------------------
 #ifdef HF_MOE_HAS_AVX512_KERNELS  // (simd_avx512.h)
 
-// One fp32 activation row against NR fp32 weight rows, the rows one after the other (see dot_rows1_bf16 below),
-// each sum in the same order as the tile's. Measured as there: an fp32 layer call went from 1.416 to 0.909 ms on one
-// thread and from 0.753 to 0.589 ms on two.
-template <int NR>
-HF_AVX512 void dot_rows1_f32(const float* x, const float* w, int64_t ldw, int64_t k, __m512 (&acc)[1][NR]) {
-  const int64_t body = k & ~int64_t{15};
-  const __mmask16 mask = static_cast<__mmask16>((1u << (k - body)) - 1u);
-#pragma GCC unroll 4
-  for (int j = 0; j < NR; ++j) {
-    const float* row = w + j * ldw;
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < body; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c), a);
-    if (body < k)
-      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + body), _mm512_maskz_loadu_ps(mask, row + body), a);
-    acc[0][j] = a;
-  }
-}
+// What the fp32 and bf16 dot kernels differ in: the inputs one vector holds, and the multiply-add into fp32 sums
+// (fp32: vfmadd, 16 inputs; bf16: vdpbf16ps, pairs of inputs, 32).
+struct LanesF32 {
+  using T = float;
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  HF_AVX512 static Mask mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  HF_AVX512 static V load(const T* p) { return _mm512_loadu_ps(p); }
+  HF_AVX512 static V load(Mask m, const T* p) { return _mm512_maskz_loadu_ps(m, p); }
+  HF_AVX512 static __m512 madd(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
 
-// One register tile: MR activation rows against NR weight rows, over all of K.
-template <int MR, int NR>
-HF_AVX512 void dot_tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out,
-                            int64_t ldo) {
-  __m512 acc[MR][NR];
-  if constexpr (MR == 1) {
-    dot_rows1_f32<NR>(x, w, ldw, k, acc);
-    store_tile<MR, NR>(acc, out, ldo);
-    return;
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= k; c += 16) {
-    __m512 wv[NR];
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + c);
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
-  }
-  if (c < k) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (k - c)) - 1u);
-    __m512 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * ldw + c);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * ldx + c);
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
-    }
-  }
-  store_tile<MR, NR>(acc, out, ldo);
-}
+struct LanesBF16 {
+  using T = uint16_t;
+  using V = __m512bh;
+  using Mask = __mmask32;
+  static constexpr int64_t kLanes = 32;
+  HF_AVX512 static Mask mask(int64_t n) { return static_cast<__mmask32>((1ull << n) - 1ull); }
+  HF_AVX512 static V load(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  HF_AVX512 static V load(Mask m, const T* p) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+  HF_AVX512 static __m512 madd(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
 
 // One activation row (a decode step) against NR weight rows, the rows one after the other: the weights are read in
 // memory order, one stream, which the hardware prefetchers follow. Reading the NR rows side by side (NR streams of
 // 18 to 48 cache lines each, as the tile below does) starved them: on the quickstart's shapes from memory
 // (benchmarks/experts_kernels.py --tokens 1, a quiet 2-core EPYC), a bf16 layer call went from 0.828 to 0.531 ms on
-// one thread (12.8 to 20.0 GB/s) and from 0.443 to 0.370 ms on two (24.0 to 28.7 GB/s). Each row's sum runs in the
-// same order as the tile's, so a token's output is the same bits whatever the batch.
-template <int NR>
-HF_AVX512 void dot_rows1_bf16(const uint16_t* x, const uint16_t* w, int64_t ldw, int64_t k, __m512 (&acc)[1][NR]) {
-  const int64_t body = k & ~int64_t{31};
-  const __mmask32 mask = static_cast<__mmask32>((1ull << (k - body)) - 1ull);
+// one thread (12.8 to 20.0 GB/s) and from 0.443 to 0.370 ms on two (24.0 to 28.7 GB/s); an fp32 one from 1.416 to
+// 0.909 ms and from 0.753 to 0.589 ms. Each row's sum runs in the same order as the tile's, so a token's output is
+// the same bits whatever the batch.
+template <class L, int NR>
+HF_AVX512 void dot_rows1(const typename L::T* x, const typename L::T* w, int64_t ldw, int64_t k,
+                         __m512 (&acc)[1][NR]) {
+  const int64_t body = k & ~(L::kLanes - 1);
+  const typename L::Mask mask = L::mask(k - body);
 #pragma GCC unroll 4
   for (int j = 0; j < NR; ++j) {
-    const uint16_t* row = w + j * ldw;
+    const typename L::T* row = w + j * ldw;
     __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < body; c += 32)
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + c), (__m512bh)_mm512_loadu_si512(row + c));
-    if (body < k)
-      a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + body),
-                           (__m512bh)_mm512_maskz_loadu_epi16(mask, row + body));
+    for (int64_t c = 0; c < body; c += L::kLanes) a = L::madd(a, L::load(x + c), L::load(row + c));
+    if (body < k) a = L::madd(a, L::load(mask, x + body), L::load(mask, row + body));
     acc[0][j] = a;
   }
 }
 
-template <int MR, int NR>
-HF_AVX512 void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k, float* out,
-                             int64_t ldo) {
+// One register tile: MR activation rows against NR weight rows, over all of K. One row: dot_rows1.
+template <class L, int MR, int NR>
+HF_AVX512 void dot_tile(const typename L::T* x, int64_t ldx, const typename L::T* w, int64_t ldw, int64_t k,
+                        float* out, int64_t ldo) {
   __m512 acc[MR][NR];
   if constexpr (MR == 1) {
-    dot_rows1_bf16<NR>(x, w, ldw, k, acc);
+    dot_rows1<L, NR>(x, w, ldw, k, acc);
     store_tile<MR, NR>(acc, out, ldo);
     return;
   }
@@ -240,42 +208,42 @@ HF_AVX512 void dot_tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, 
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 32 <= k; c += 32) {
-    __m512bh wv[NR];
+  for (; c + L::kLanes <= k; c += L::kLanes) {
+    typename L::V wv[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * ldw + c);
+    for (int j = 0; j < NR; ++j) wv[j] = L::load(w + j * ldw + c);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + c);
+      const typename L::V xv = L::load(x + m * ldx + c);
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = L::madd(acc[m][j], xv, wv[j]);
     }
   }
   if (c < k) {
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (k - c)) - 1ull);
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * ldw + c);
+    const typename L::Mask mask = L::mask(k - c);
+    typename L::V wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = L::load(mask, w + j * ldw + c);
     for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + c);
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+      const typename L::V xv = L::load(mask, x + m * ldx + c);
+      for (int j = 0; j < NR; ++j) acc[m][j] = L::madd(acc[m][j], xv, wv[j]);
     }
   }
   store_tile<MR, NR>(acc, out, ldo);
 }
 
-template <typename T, template <int, int> class Tile>
-HF_AVX512 void dot_rows(const T* x, int64_t ldx, int64_t rows, const T* w, int64_t ldw, int cols, int64_t k,
-                        float* out, int64_t ldo) {
+template <class L>
+HF_AVX512 void dot_rows(const typename L::T* x, int64_t ldx, int64_t rows, const typename L::T* w, int64_t ldw,
+                        int cols, int64_t k, float* out, int64_t ldo) {
   for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
     const int mr = static_cast<int>(std::min<int64_t>(kTile, rows - m0));
-    const T* xm = x + m0 * ldx;
+    const typename L::T* xm = x + m0 * ldx;
     float* om = out + m0 * ldo;
-#define HF_MOE_TILE(MR)                                      \
-  switch (cols) {                                            \
-    case 1: Tile<MR, 1>::run(xm, ldx, w, ldw, k, om, ldo); break; \
-    case 2: Tile<MR, 2>::run(xm, ldx, w, ldw, k, om, ldo); break; \
-    case 3: Tile<MR, 3>::run(xm, ldx, w, ldw, k, om, ldo); break; \
-    default: Tile<MR, 4>::run(xm, ldx, w, ldw, k, om, ldo); break; \
+#define HF_MOE_TILE(MR)                                                  \
+  switch (cols) {                                                        \
+    case 1: dot_tile<L, MR, 1>(xm, ldx, w, ldw, k, om, ldo); break;      \
+    case 2: dot_tile<L, MR, 2>(xm, ldx, w, ldw, k, om, ldo); break;      \
+    case 3: dot_tile<L, MR, 3>(xm, ldx, w, ldw, k, om, ldo); break;      \
+    default: dot_tile<L, MR, 4>(xm, ldx, w, ldw, k, om, ldo); break;     \
   }
     switch (mr) {
       case 1: HF_MOE_TILE(1) break;
@@ -287,30 +255,14 @@ HF_AVX512 void dot_rows(const T* x, int64_t ldx, int64_t rows, const T* w, int64
   }
 }
 
-template <int MR, int NR>
-struct TileF32 {
-  HF_AVX512 static void run(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out,
-                            int64_t ldo) {
-    dot_tile_f32<MR, NR>(x, ldx, w, ldw, k, out, ldo);
-  }
-};
-
-template <int MR, int NR>
-struct TileBF16 {
-  HF_AVX512 static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k, float* out,
-                            int64_t ldo) {
-    dot_tile_bf16<MR, NR>(x, ldx, w, ldw, k, out, ldo);
-  }
-};
-
 HF_AVX512 void dot_f32_avx512(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int cols,
                               int64_t k, float* out, int64_t ldo) {
-  dot_rows<float, TileF32>(x, ldx, rows, w, ldw, cols, k, out, ldo);
+  dot_rows<LanesF32>(x, ldx, rows, w, ldw, cols, k, out, ldo);
 }
 
 HF_AVX512 void dot_bf16_avx512(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t ldw, int cols,
                                int64_t k, float* out, int64_t ldo) {
-  dot_rows<uint16_t, TileBF16>(x, ldx, rows, w, ldw, cols, k, out, ldo);
+  dot_rows<LanesBF16>(x, ldx, rows, w, ldw, cols, k, out, ldo);
 }
 
 HF_AVX512 void to_bf16_avx512(const float* src, int64_t n, uint16_t* dst) {
