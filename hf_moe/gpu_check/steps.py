@@ -23,7 +23,7 @@ TRITON_TESTS = ROOT / "tests" / "test_triton.py"
 # report the CPU backend (`backend_report()` under HF_MOE_BACKEND=auto builds the C++ extension, which nothing here
 # runs; CI runs them). Under --smoke (the interpreter, CI): a few quick kernel tests, so the step's code runs.
 GPU_TESTS = "not compiles_for_sm90 and not aot_check and not env_reports_the_triton_backend and " \
-            "not cuda_defaults_to_torch"
+            "not cuda_default_is_triton"
 SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
               "(test_grouped_mm_forward_and_dx and dropped)"
 # Under compute-sanitizer (slow): the small kernel tests.
@@ -122,6 +122,16 @@ def _summary_line(out: str) -> str:
         counts.values()) else "no test finished"
 
 
+def _finished_clean(out: str) -> bool:
+    """Whether pytest printed its closing line with tests passed and none failed or in error (on the H100 of
+    2026-11-27 the run was killed at its limit 20 s after that line, while its workers exited)."""
+    closing = [line for line in out.splitlines() if line.startswith("=") and " in " in line and line.endswith("=")]
+    if not closing:
+        return False
+    line = closing[-1]
+    return " passed" in line and not any(word in line for word in (" failed", " error", " xpassed"))
+
+
 def step_triton_tests(step, smoke: bool, limit: float) -> None:
     if not TRITON_TESTS.is_file():
         step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
@@ -135,9 +145,12 @@ def step_triton_tests(step, smoke: bool, limit: float) -> None:
     step.fell_back.update(fell_back)
     step.data = dict(where=where, select=select, exit_status=status, launches=launches, output=out[-20000:])
     step.detail = f"{where}; `pytest {TRITON_TESTS.relative_to(ROOT)} -k \"{select}\"`\n\n{code_block(out)}"
-    step.status = PASSED if status == 0 and launches else FAILED
-    step.summary = _summary_line(out) + ("" if status is not None else "; timed out") + \
-        ("" if launches or status is None else "; no Triton kernel launched")
+    finished = status is None and _finished_clean(out)  # killed while exiting, after pytest's closing line
+    step.status = PASSED if (status == 0 or finished) and launches else FAILED
+    ending = "" if status is not None else \
+        "; killed at the step's limit while exiting, after pytest's closing line" if finished else "; timed out"
+    step.summary = _summary_line(out) + ending + \
+        ("" if launches or (status is None and not finished) else "; no Triton kernel launched")
 
 
 def _sanitizer() -> str | None:
@@ -186,11 +199,35 @@ def _tiny_model(device: torch.device, smoke: bool):
     return convert_to_moe(dense.to(device), num_experts=8, top_k=2, noise=0.05).to(device).train()
 
 
+# A gradient of the Triton run may be this much further from the fp32 reference than the torch backend's, under the
+# same bf16 autocast: relative error <= FACTOR x torch's + FLOOR. Both backends round to bf16 where autocast does, and
+# some gradients are that noisy for either: on the H100 (2026-11-27) layer 1's router gradient was 1.06e-1 from the
+# fp32 step's on the torch backend and 7.95e-2 on Triton, 7.6e-2 apart (upcycled experts are near-equal, so a
+# router's gradient is a small difference of their outputs). A defect (a row, an expert or a scale lost) is far beyond.
+GRAD_FACTOR, GRAD_FLOOR = 1.5, 5e-3
+
+
+def compare_gradients(grads: dict, torch_grads: dict, reference: dict):
+    """(Triton's errors, torch's errors, the parameter closest to its limit, a problem or "") of two bf16-autocast
+    runs' gradients, Triton's and the torch backend's, each against the fp32 step's (`reference`): relative error
+    (norm) per parameter; a problem where Triton's exceeds GRAD_FACTOR x torch's + GRAD_FLOOR."""
+    from .correctness import rel_error
+
+    errors = {n: rel_error(g, reference[n]) for n, g in grads.items()}
+    torch_errors = {n: rel_error(torch_grads[n], reference[n]) for n in grads}
+    excess = {n: errors[n] - (GRAD_FACTOR * torch_errors[n] + GRAD_FLOOR) for n in errors}
+    worst = max(excess, key=excess.get)
+    problem = "" if excess[worst] <= 0 else (
+        f"gradient of {worst} off the fp32 step's by {errors[worst]:.2e} (the torch backend's: "
+        f"{torch_errors[worst]:.2e}; at most {GRAD_FACTOR}x that + {GRAD_FLOOR})")
+    return errors, torch_errors, worst, problem
+
+
 def step_training(step, device: torch.device, smoke: bool) -> None:
     """A converted model's training step under bf16 autocast (fp32 weights: Trainer(bf16=True)), after
-    `hf_moe.ops.warmup`, on the Triton backend against the torch backend: loss, every gradient, an AdamW step.
-    Fails when the Triton run launched no Triton kernel or any op of it fell back to torch: it would compare torch
-    against torch."""
+    `hf_moe.ops.warmup`, on the Triton backend and on the torch backend, each against the same step in fp32 without
+    autocast (the torch backend): loss, every gradient, an AdamW step. Fails when the Triton run launched no Triton
+    kernel or any op of it fell back to torch: it would compare torch against torch."""
     import copy
 
     from ..ops import use_backend, warmup
@@ -198,22 +235,23 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
     from .correctness import rel_error
 
     model = _tiny_model(device, smoke)
-    twin = copy.deepcopy(model)
+    copies = {"torch": copy.deepcopy(model), "fp32": copy.deepcopy(model)}
     batch, length = (2, 8) if smoke else (4, 512)
     ids = torch.randint(3, 512, (batch, length), generator=torch.Generator().manual_seed(0)).to(device)
     results = {}
-    for name, m in (("triton", model), ("torch", twin)):
+    for name, m, backend in (("triton", model, "triton"), ("torch", copies["torch"], "torch"),
+                             ("fp32", copies["fp32"], "torch")):
         launched = sum(launch_counts.values())
-        with use_backend(name), torch.autocast(device.type, dtype=torch.bfloat16):
-            lines = warmup(m, tokens=ids.numel())
+        with use_backend(backend), torch.autocast(device.type, dtype=torch.bfloat16, enabled=name != "fp32"):
+            lines = warmup(m, tokens=ids.numel()) if name == "triton" else []
             loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
-        torch.optim.AdamW(m.parameters(), lr=1e-4).step()
         results[name] = (loss.detach().float(), grads, lines, sum(launch_counts.values()) - launched)
-    (loss, grads, lines, launches), (want_loss, want_grads, _, _) = results["triton"], results["torch"]
-    errors = {n: rel_error(g, want_grads[n]) for n, g in grads.items()}
-    worst = max(errors, key=errors.get)
+    torch.optim.AdamW(model.parameters(), lr=1e-4).step()
+    (loss, grads, lines, launches), (want_loss, torch_grads, _, _) = results["triton"], results["torch"]
+    fp32_loss, reference = results["fp32"][0], results["fp32"][1]
+    errors, torch_errors, worst, gradient_problem = compare_gradients(grads, torch_grads, reference)
     finite = all(p.isfinite().all() for p in model.parameters())
     problems = []
     fell_back = triton_fallbacks()
@@ -222,20 +260,28 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
                                              "launched no Triton kernel") + ": torch was compared against torch")
     if abs(float(loss - want_loss)) > 1e-2 * abs(float(want_loss)):
         problems.append(f"loss {float(loss):.5f} vs torch backend {float(want_loss):.5f}")
-    if errors[worst] > 5e-2:
-        problems.append(f"gradient of {worst} off by {errors[worst]:.2e}")
+    if gradient_problem:
+        problems.append(gradient_problem)
     if not finite:
         problems.append("NaN or inf in the weights after the AdamW step")
-    step.data = dict(loss=float(loss), torch_loss=float(want_loss), worst_grad=worst, worst_error=errors[worst],
-                     warmup=lines, triton_launches=launches)
+    noisiest = max(torch_errors, key=torch_errors.get)
+    step.data = dict(loss=float(loss), torch_loss=float(want_loss), fp32_loss=float(fp32_loss), worst_grad=worst,
+                     worst_error=errors[worst], worst_torch_error=torch_errors[worst],
+                     triton_vs_torch=max(rel_error(g, torch_grads[n]) for n, g in grads.items()),
+                     grad_errors={n: [errors[n], torch_errors[n]] for n in errors}, warmup=lines,
+                     triton_launches=launches)
     step.detail = (f"Converted Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, 8 experts, "
                    f"top-2), {batch}x{length} tokens, bf16 autocast over fp32 weights; warm-up:\n\n"
                    + code_block("\n".join(lines))
-                   + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}); "
-                   f"largest gradient error {errors[worst]:.2e} ({worst}); {launches} Triton kernel launches")
+                   + f"\n\nloss {float(loss):.5f} (torch backend {float(want_loss):.5f}, fp32 without autocast "
+                   f"{float(fp32_loss):.5f}). Gradients against the fp32 step's, relative error, Triton / torch "
+                   f"backend: closest to the limit {errors[worst]:.2e} / {torch_errors[worst]:.2e} ({worst}); "
+                   f"noisiest {errors[noisiest]:.2e} / {torch_errors[noisiest]:.2e} ({noisiest}). "
+                   f"{launches} Triton kernel launches")
     step.status = FAILED if problems else PASSED
     step.summary = "; ".join(problems) if problems else \
-        f"loss and gradients match the torch backend ({launches} Triton launches, no fallback); AdamW step finite"
+        (f"loss and gradients as close to the fp32 step's as the torch backend's ({launches} Triton launches, no "
+         "fallback); AdamW step finite")
 
 
 def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
