@@ -251,6 +251,41 @@ def test_merge_is_never_worse_than_reconstruction_on_the_calibration_text(moe_di
     assert merged.layers[first].kept == rec.layers[first].kept
 
 
+def test_each_layer_aims_at_the_original_model_not_at_its_own_shrunk_input(moe_dir, calib, tmp_path, monkeypatch):
+    """Reconstruction said a later layer's choice corrects the error of the layers shrunk before it, but aimed each
+    layer at the full block's output on the shrunk model's input, which takes that error as given. The target is now
+    the original model's output at the layer (carried in the same forward), and the search runs on the shrunk input."""
+    from hf_moe.shrink import api
+    from hf_moe.shrink.calibration import calibration_ids
+
+    seen = {}
+    choose = api._Run._choose
+
+    def spy(self, block, data, state, params):
+        seen[len(seen)] = (data.x.clone(), data.routed.clone())
+        return choose(self, block, data, state, params)
+
+    monkeypatch.setattr(api._Run, "_choose", spy)
+    hf_moe.shrink(moe_dir, tmp_path / "out", 2, "reconstruction", calib, calibration_tokens=256, progress=False)
+    model = MoEForCausalLM.from_pretrained(moe_dir).eval()
+    ids = calibration_ids(calib, tiny_tokenizer(), 256, 256, 1)
+    inputs, outputs = {}, {}
+
+    def record(i):
+        def hook(module, args, out):
+            inputs[i], outputs[i] = args[0].reshape(-1, args[0].shape[-1]), out.reshape(-1, out.shape[-1])
+        return hook
+
+    for i, layer in enumerate(model.model.layers):  # the original model's blocks (no shared experts: routed output)
+        layer.mlp.register_forward_hook(record(i))
+    with torch.no_grad():
+        model(ids)
+    assert len(seen) == 3
+    for i, (x, target) in seen.items():
+        torch.testing.assert_close(target, outputs[i], rtol=1e-4, atol=1e-5)
+        assert i == 0 or not torch.allclose(x, inputs[i], rtol=1e-3, atol=1e-4)  # searched on the shrunk input
+
+
 # ------------------------------------------------------------------------------------------ dynamic skipping
 def test_dynamic_skipping_is_off_by_default_and_threshold_one_is_top_1(moe_dir):
     assert MoEConfig.from_base(tiny_dense("llama").config, num_experts=4).router_skip_threshold == 0.0

@@ -36,6 +36,10 @@ from .select import METHODS, Choice, Reconstruction, frequency_subset, global_su
 
 SCOPES = ("layer", "global")
 SEARCH_BYTES = 768 << 20  # every expert's output on the tokens a layer's search uses: at most this much (fp32)
+# Reconstruction and merge aim each layer at the original model's output (True), carried beside the shrunk model's in
+# the same forward (the calibration rows twice), so that a layer can make up for what the layers before it lost; or
+# at the full block's output on the shrunk model's own input (False: earlier errors are taken as given).
+ORIGINAL_TARGET = True
 
 
 @dataclass
@@ -63,8 +67,9 @@ class ShrinkResult:
             "merged": {str(i): {str(k): v for k, v in c.groups.items()} for i, c in self.layers.items() if c.groups},
             "relative_error": {str(i): round(c.error, 6) for i, c in self.layers.items() if c.error is not None},
             "note": "kept[layer][i]: the original expert that is now expert i (merged with merged[layer][it] where "
-                    "listed); relative_error: || routed_shrunk - routed ||^2 / || routed ||^2 of the layer's routed "
-                    "experts on the calibration tokens, given the input the layers shrunk before it give",
+                    "listed); relative_error: the layer's routed experts in the shrunk model against the original "
+                    "model's at that layer, on the calibration tokens: each token's squared error relative to its "
+                    "own output's, averaged (hf_moe.shrink.select)",
         }
 
 
@@ -175,6 +180,7 @@ class _Run:
         self.dtype = layout.source.float_dtype()  # what the checkpoint stores
         self.fixed: dict | None = None  # global scope: {"kept": [...], "groups": {...}} for every layer
         self.collect = False  # first pass of global scope: statistics only
+        self.paired = False  # the forward carries the original model's rows beside the shrunk model's (_forward)
         self.stats: dict[int, dict] = {}
         self.choices: dict[int, Choice] = {}
         self._configs: dict[int, object] = {}
@@ -213,12 +219,16 @@ class _Run:
     # ------------------------------------------------------------------------------- the layer-by-layer forward
     def _forward(self, ids: torch.Tensor, writer: ShrunkWriter | None) -> None:
         layout = self.layout
+        self.paired = ORIGINAL_TARGET and self.method in ("reconstruction", "merge") and not self.collect
+        tokens = ids.numel()
+        if self.paired:  # rows [:B] carry the original model, rows [B:] the shrunk one
+            ids = torch.cat([ids, ids])
         with init_empty_weights(include_buffers=False):
             model = (head_class(layout.config)(layout.config) if not layout.is_native
                      else AutoModelForCausalLM.from_config(layout.config))
         model.eval()
         bar = tqdm(total=len(layout.moe_layers), disable=not self.progress,
-                   desc=f"{'Scoring' if self.collect else 'Shrinking'} ({self.method}, {ids.numel()} tokens)")
+                   desc=f"{'Scoring' if self.collect else 'Shrinking'} ({self.method}, {tokens} tokens)")
         handles = []
         for layer in layout.moe_layers:
             block = model.get_submodule(layout.memory_prefix(layer)[:-1])
@@ -249,7 +259,7 @@ class _Run:
     def _hook(self, layer: int, writer: ShrunkWriter | None, bar):
         def hook(block, args, output):
             hidden = args[0]
-            new = self._layer(layer, block, hidden, writer)
+            new = self._layer(layer, block, hidden, writer, output[0] if isinstance(output, tuple) else output)
             bar.update()
             if new is None:
                 return None
@@ -257,14 +267,17 @@ class _Run:
 
         return hook
 
-    def _layer(self, layer: int, block, hidden: torch.Tensor, writer: ShrunkWriter | None) -> torch.Tensor | None:
-        """Choose what MoE layer `layer` keeps, write it and return the shrunk block's output on `hidden`
-        (None in the scoring pass of global scope)."""
+    def _layer(self, layer: int, block, hidden: torch.Tensor, writer: ShrunkWriter | None,
+               output: torch.Tensor) -> torch.Tensor | None:
+        """Choose what MoE layer `layer` keeps, write it and return the shrunk block's output on `hidden` (None in
+        the scoring pass of global scope). `output`: the full block's on `hidden`. Paired (`_forward`), the first
+        half of `hidden`'s rows is the original model's and keeps the full block's output."""
         layout, e = self.layout, self.layout.num_experts
+        original, hidden = hidden.chunk(2) if self.paired else (None, hidden)
         x = hidden.reshape(-1, hidden.shape[-1]).float()
         params = expert_params(block, layout.expert_params)
         state = router_state(block)
-        data = self._data(block, params, x)
+        data = self._data(block, params, x, None if original is None else original.reshape(x.shape).float())
         if self.collect:
             self.stats[layer] = self._statistics(block, data, state)
             return None
@@ -281,21 +294,30 @@ class _Run:
         new_state.update({f"experts.{k}": v for k, v in kept_params.items()})
         dtypes = {k: v.dtype for k, v in block.state_dict().items()}
         shrunk = make_block(block, self.config_for(self.keep), {k: v.to(dtypes[k]) for k, v in new_state.items()})
-        return shrunk(hidden)
+        if original is None:
+            return shrunk(hidden)
+        kept = shrunk(hidden)
+        return torch.cat([output.chunk(2)[0], kept[0] if isinstance(kept, tuple) else kept])
 
-    def _data(self, block, params: dict, x: torch.Tensor) -> LayerData:
-        """The layer's routing on a sample of the tokens (all of them when they fit SEARCH_BYTES), and for
-        reconstruction and merge every expert's output there."""
+    def _data(self, block, params: dict, x: torch.Tensor, original: torch.Tensor | None = None) -> LayerData:
+        """The layer's routing on a sample of the tokens x [N, H] (all of them when they fit SEARCH_BYTES), and for
+        reconstruction and merge every expert's output there and the target: the block's routed output on the
+        original model's input at the same tokens (`original` [N, H]) where given, else on x."""
         e = self.layout.num_experts
         n = max(1, min(x.shape[0], SEARCH_BYTES // (4 * e * x.shape[1])))
         if n < x.shape[0]:
-            sample = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.seed))[:n]
-            x = x.index_select(0, sample.sort().values)
+            sample = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.seed))[:n].sort().values
+            x = x.index_select(0, sample)
+            original = None if original is None else original.index_select(0, sample)
         index, weights, logits = route(block.gate, x)
         data = LayerData(x, logits, index, weights)
         if self.method in ("reconstruction", "merge"):
             data.outputs = expert_outputs(block.experts, params, x)
-            data.routed = combine(data.outputs, index, weights)
+            if original is None:
+                data.routed = combine(data.outputs, index, weights)
+            else:
+                target_index, target_weights, _ = route(block.gate, original)
+                data.routed = combine(expert_outputs(block.experts, params, original), target_index, target_weights)
         return data
 
     def _statistics(self, block, data: LayerData, state) -> dict:
