@@ -51,7 +51,7 @@ async function generate({prompt, new_tokens: newTokens, stop_at_eos: stopAtEos})
     const start = performance.now();
     const times = [0];
     // temperature 0: greedy. EOS is yielded (and, unless stop_at_eos, decoding goes on past it, as a generate with
-    // min_new_tokens does on the Python side: the speed is what is measured then).
+    // eos_token_id=None does on the Python side: the speed is what is measured then).
     for await (const token of sequence.evaluate(prompt, {temperature: 0, yieldEogToken: true})) {
         times.push((performance.now() - start) / 1000);
         tokens.push(token);

@@ -12,7 +12,8 @@ Commands (each generate/nll on a fresh cache):
     {"op": "info"}
     {"op": "generate", "prompt": [ids], "new_tokens": N, "stop_at_eos": bool, "mode": one of MODES}
         -> {"tokens": [...], "times": [0, t_1, ..., t_N]}: seconds from the call to each new token's arrival
-           (greedy; `min_new_tokens=N` unless stop_at_eos). eager: generate's default dynamic cache. Every other
+           (greedy; unless stop_at_eos, `eos_token_id=None`: EOS is a token like any other and decoding goes on,
+           as on llama.cpp's side). eager: generate's default dynamic cache. Every other
            mode: hf_moe.generation.fast_decode_kwargs(), the static cache with the decode step compiled once (the
            prefill stays eager, as transformers runs it), as long as `hf_moe.generation` makes it for hf_moe models
            (the need, in a power of two, at least 256), for both engines, with MODES' settings:
@@ -109,8 +110,8 @@ def generate(model, prompt, new_tokens, stop_at_eos, mode, pad_token_id):
     ids = torch.tensor([prompt])
     kwargs = dict(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_token_id,
                   attention_mask=torch.ones_like(ids))
-    if not stop_at_eos:
-        kwargs["min_new_tokens"] = new_tokens
+    if not stop_at_eos:  # as llama.cpp's side does: EOS is generated like any token, and decoding goes on past it
+        kwargs["eos_token_id"] = None
     if mode in MODES:  # the fast decode path: cache length the call's need, a power of two (>= 256)
         from hf_moe.generation import cache_length, fast_decode_kwargs
 
