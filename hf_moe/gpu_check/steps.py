@@ -23,7 +23,7 @@ TRITON_TESTS = ROOT / "tests" / "test_triton.py"
 # report the CPU backend (`backend_report()` under HF_MOE_BACKEND=auto builds the C++ extension, which nothing here
 # runs; CI runs them). Under --smoke (the interpreter, CI): a few quick kernel tests, so the step's code runs.
 GPU_TESTS = "not compiles_for_sm90 and not aot_check and not env_reports_the_triton_backend and " \
-            "not cuda_default_is_triton"
+            "not cuda_defaults_to_torch"
 SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
               "(test_grouped_mm_forward_and_dx and dropped)"
 # Under compute-sanitizer (slow): the small kernel tests.
