@@ -36,10 +36,6 @@ from .select import METHODS, Choice, Reconstruction, frequency_subset, global_su
 
 SCOPES = ("layer", "global")
 SEARCH_BYTES = 768 << 20  # every expert's output on the tokens a layer's search uses: at most this much (fp32)
-# Reconstruction and merge aim each layer at the original model's output (True), carried beside the shrunk model's in
-# the same forward (the calibration rows twice), so that a layer can make up for what the layers before it lost; or
-# at the full block's output on the shrunk model's own input (False: earlier errors are taken as given).
-ORIGINAL_TARGET = True
 
 
 @dataclass
@@ -219,7 +215,10 @@ class _Run:
     # ------------------------------------------------------------------------------- the layer-by-layer forward
     def _forward(self, ids: torch.Tensor, writer: ShrunkWriter | None) -> None:
         layout = self.layout
-        self.paired = ORIGINAL_TARGET and self.method in ("reconstruction", "merge") and not self.collect
+        # Reconstruction and merge aim each layer at the original model's output, carried beside the shrunk model's in
+        # the same forward (the calibration rows twice), so that a layer can make up for what the layers before it
+        # lost (select.py); the scoring pass of global scope shrinks nothing and needs no second copy.
+        self.paired = self.method in ("reconstruction", "merge") and not self.collect
         tokens = ids.numel()
         if self.paired:  # rows [:B] carry the original model, rows [B:] the shrunk one
             ids = torch.cat([ids, ids])
@@ -294,9 +293,9 @@ class _Run:
         new_state.update({f"experts.{k}": v for k, v in kept_params.items()})
         dtypes = {k: v.dtype for k, v in block.state_dict().items()}
         shrunk = make_block(block, self.config_for(self.keep), {k: v.to(dtypes[k]) for k, v in new_state.items()})
-        if original is None:
-            return shrunk(hidden)
         kept = shrunk(hidden)
+        if original is None:
+            return kept
         return torch.cat([output.chunk(2)[0], kept[0] if isinstance(kept, tuple) else kept])
 
     def _data(self, block, params: dict, x: torch.Tensor, original: torch.Tensor | None = None) -> LayerData:
