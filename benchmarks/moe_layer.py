@@ -23,15 +23,14 @@ at the memory bandwidth measured in the same run: see MachineRates).
 "saved MB" is what each keeps for backward (activations, not parameters), and its ratio to the dense MLP's.
 A second table times inference only (torch.inference_mode) on decode-like batches of 1 to 16 tokens.
 
-GPU table (`--device cuda`, or `--tiny`): 16,384 tokens through a Mixtral-like layer (H 4096, I 14336, E 8, k 2)
-and a Qwen3-30B-A3B-like one (H 2048, I 768, E 128, k 8): hf_moe on its Triton backend (opt-in; torch's grouped_mm
-for the GEMMs where that is the fast path), hf_moe on the pure-torch ops (the default on CUDA), transformers' block
-with grouped_mm, and the
-dense chain. Median and spread (20th-80th percentile) of the repeats, ratios against dense and against
-transformers' grouped_mm, and the share of hf_moe's time outside its expert GEMMs (1 - time of the same GEMMs,
-replayed alone on the same routing, / time of the layer). `--tiny` shrinks the shapes so that the same code runs
-end to end on CPU under Triton's interpreter (`--interpret` sets TRITON_INTERPRET=1 before triton is imported);
-its times mean nothing.
+GPU table (`--device cuda`, or `--tiny`): 16,384 tokens through a Mixtral-like layer (H 4096, I 14336, E 8, k 2) and a
+Qwen3-30B-A3B-like one (H 2048, I 768, E 128, k 8): hf_moe on its Triton backend (the default for bf16 on sm90;
+torch's grouped_mm for the GEMMs where that is the fast path), hf_moe on the pure-torch ops (the default elsewhere on
+CUDA), transformers' block with grouped_mm, and the dense chain. Median and spread (20th-80th percentile) of the
+repeats, ratios against dense and against transformers' grouped_mm, and the share of hf_moe's time outside its expert
+GEMMs (1 - time of the same GEMMs, replayed alone on the same routing, / time of the layer). `--tiny` shrinks the
+shapes so that the same code runs end to end on CPU under Triton's interpreter (`--interpret` sets TRITON_INTERPRET=1
+before triton is imported); its times mean nothing.
 """
 
 from __future__ import annotations
@@ -263,7 +262,7 @@ def _expert_gemms(block, x, backward):
 def gpu_table(args, device, dtype):
     tiny = args.tiny
     shapes, tokens = (TINY_SHAPES, TINY_TOKENS) if tiny else (GPU_SHAPES, GPU_TOKENS)
-    backend = "triton"  # opt-in everywhere: the default on CUDA is the torch backend (the "hf_moe torch" row)
+    backend = "triton"  # forced, on any GPU and dtype; the "hf_moe torch" row is the torch backend
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
     print(f"{name}, torch {torch.__version__}, {args.dtype}, {tokens} tokens, median of {args.repeats} "
           f"(20th-80th percentile){'; --tiny: times mean nothing' if tiny else ''}")

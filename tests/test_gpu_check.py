@@ -334,3 +334,30 @@ def test_a_run_killed_after_pytest_closing_line_counts_what_it_printed(monkeypat
         assert step.summary == (f"{closing}; killed at the step's limit while exiting, after pytest's closing line")
     else:
         assert "timed out" in step.summary
+
+
+def test_the_default_backends_choice_is_executed_and_held_to_what_it_names(monkeypatch):
+    """Step 4's check of HF_MOE_BACKEND=auto (default_choice.py), on CPU: the backend `cuda_default` names must be the
+    one `dispatch_ops` picks and the one that runs (Triton launches or none), with the forced backend's output. Here
+    HF_MOE_BACKEND=torch names torch and runs it; a `cuda_default` that names Triton while torch runs is caught."""
+    import contextlib
+
+    import torch
+
+    import hf_moe.ops as ops
+    import hf_moe.ops.backend as backend
+    from hf_moe.gpu_check import default_choice
+
+    monkeypatch.setenv("HF_MOE_BACKEND", "torch")
+    monkeypatch.setattr(backend, "_chosen", {})
+    monkeypatch.setattr(backend, "_variants", {})
+    record = default_choice.check(torch.float32, torch.device("cpu"))
+    assert record["ok"], record
+    assert (record["cuda_default"], record["dispatch_ops"], record["triton_launches"]) == ("torch", "torch", 0)
+    assert record["output_error"] == 0 and record["dx_error"] == 0
+    monkeypatch.setattr(backend, "cuda_default", lambda device=None, dtype=None: ("triton", "faked"))
+    monkeypatch.setattr(ops, "use_backend", lambda name: contextlib.nullcontext())  # the torch run stands in
+    record = default_choice.check(torch.float32, torch.device("cpu"))
+    assert not record["ok"]
+    assert record["problems"][:2] == ["dispatch_ops picked torch, cuda_default names triton",
+                                      "0 Triton launches under a default of triton"]

@@ -294,25 +294,58 @@ def test_env_reports_the_triton_backend():
 
 
 @parent_only
-def test_cuda_defaults_to_torch(monkeypatch):
-    """On CUDA, auto (and compiled) run the pure-torch ops even where Triton could run: the Triton kernels are opt-in
-    (HF_MOE_BACKEND=triton) until they pass gpu_check on a GPU. Triton's status on CUDA is faked: no GPU here."""
+def test_cuda_default_is_triton_for_bf16_on_sm90(monkeypatch):
+    """On CUDA, auto (and compiled) run the Triton kernels for bf16 experts on sm90, where they passed gpu_check on an
+    H100 and ran faster than the torch ops (docs/backends.md), and the pure-torch ops for other dtypes, other GPUs,
+    or where Triton cannot run. The GPU is faked: none here."""
     import hf_moe.ops.backend as backend
 
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(backend, "_triton_status", lambda device_type: (True, "faked sm90"))
     for setting in ("auto", "compiled"):
         monkeypatch.setenv("HF_MOE_BACKEND", setting)
-        assert backend._choose("cuda") == "torch"
-        assert "have not yet passed `python -m hf_moe.gpu_check`" in backend.cuda_default()[1]
-        assert backend.backend_report()["experts on CUDA"][0].startswith("torch ops")
+        assert backend._choose(("cuda", 0, torch.bfloat16)) == "triton"
+        assert "bf16 on sm90" in backend.cuda_default(0, torch.bfloat16)[1]
+        assert backend.backend_report()["experts on CUDA, bf16"][0].startswith("triton kernels")
+        for dtype in (torch.float32, torch.float16, None):
+            assert backend._choose(("cuda", 0, dtype)) == "torch"
+        assert backend.backend_report()["experts on CUDA, other"][0].startswith("torch ops")
+        for capability[0] in [(8, 0), (10, 0), (12, 0)]:  # A100; B200 and newer (grouped_mm's weight gradients)
+            assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
+            assert f"bfloat16 on sm{capability[0][0]}0" in backend.cuda_default(0)[1]
+        capability[0] = (9, 0)
+    monkeypatch.setenv("HF_MOE_BACKEND", "torch")
+    assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
     monkeypatch.setenv("HF_MOE_BACKEND", "triton")
-    assert backend._choose("cuda") == "triton"
-    assert backend.backend_report()["experts on CUDA"][0].startswith("triton kernels (opt-in)")
+    assert backend._choose(("cuda", 0, torch.float32)) == "triton"
+    monkeypatch.setenv("HF_MOE_BACKEND", "auto")
     monkeypatch.setattr(backend, "_triton_status", lambda device_type: (False, "triton is not installed"))
+    assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
+    assert "Triton cannot run here (triton is not installed)" in backend.cuda_default(0)[1]
     with pytest.raises(RuntimeError, match="cannot run on cuda tensors: triton is not installed"):
         backend._variant("triton", "cuda", "silu")
     with pytest.raises(RuntimeError, match="runs on CPU tensors, not cuda"):
         backend._variant("compiled", "cuda", "silu")
+
+
+def test_dispatch_on_cuda_is_chosen_per_device_and_dtype(monkeypatch):
+    """The experts' dtype reaches the choice: one device runs bf16 experts on one backend and fp32 on another."""
+    import hf_moe.ops.backend as backend
+
+    chosen = []
+    monkeypatch.setattr(backend, "_chosen", {})
+    monkeypatch.setattr(backend, "_variants", {})
+    monkeypatch.setattr(backend, "_choose", lambda where: chosen.append(where) or
+                        ("triton" if where[2] == torch.bfloat16 else "torch"))
+    monkeypatch.setattr(backend, "_variant", lambda name, device_type, activation: (name, device_type, activation))
+    cuda = torch.device("cuda", 0)
+    assert backend.dispatch_ops(cuda, "silu", torch.bfloat16) == ("triton", "cuda", "silu")
+    assert backend.dispatch_ops(cuda, "silu", torch.float32) == ("torch", "cuda", "silu")
+    assert backend.dispatch_ops(cuda, "gelu", torch.bfloat16) == ("triton", "cuda", "gelu")
+    assert backend.dispatch_ops(torch.device("cpu"), "silu", torch.bfloat16)[1] == "cpu"
+    assert chosen == [("cuda", 0, torch.bfloat16), ("cuda", 0, torch.float32), ("cpu", None, None)]
 
 
 def _experts_module():

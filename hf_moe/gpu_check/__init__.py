@@ -12,14 +12,15 @@ their value, share `--budget` seconds (default 420: one 10-minute device call wi
   3. the speed table at 16,384 tokens in bf16: hf_moe triton, hf_moe torch, transformers' grouped_mm, and a dense
      MLP of the same active FLOPs, median and spread (speed.py);
   4. a training step of a converted model (bf16 autocast, after `hf_moe.ops.warmup`) on the Triton backend against
-     the torch backend, and an EP x FSDP2 step over NCCL where there are 2 or more GPUs (ep_step.py);
+     the torch backend; what HF_MOE_BACKEND=auto runs for bf16 and fp32 experts on this GPU, executed
+     (default_choice.py); and an EP x FSDP2 step over NCCL where there are 2 or more GPUs (ep_step.py);
   5. tests/test_triton.py on CUDA without the interpreter (HF_MOE_BACKEND=triton);
   6. `compute-sanitizer --tool memcheck` on the small kernel tests, with what is left of the budget.
 
 The run fails (exit status 1) when a step fails, and any Triton op that fell back to torch in any step fails its
 step: report.md names each op and its error, and no row of the speed table is labelled Triton where torch ran.
 Nothing is compiled for the CPU inside the budget: the steps run with HF_MOE_BACKEND=triton, which never builds the
-C++ extension.
+C++ extension (step 4's check of the default runs auto on CUDA tensors only).
 
 `--smoke` runs the same steps on CPU tensors under TRITON_INTERPRET=1 at tiny shapes (CI runs it, so the command
 cannot rot). What needs a GPU runs at a tiny scale there and says so, or is reported "skipped: <why>": nothing is

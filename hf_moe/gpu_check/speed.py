@@ -2,10 +2,10 @@
 
 Contestants, interleaved within each repeat so that a busy device slows each alike, at a Mixtral-like layer
 (H 4096, I 14336, E 8, k 2) and a Qwen3-30B-A3B-like one (H 2048, I 768, E 128, k 8):
-  * hf_moe triton        `SparseMoeBlock` on the Triton backend (opt-in), Triton's GEMM kernels included
+  * hf_moe triton        `SparseMoeBlock` on the Triton backend, Triton's GEMM kernels included
   * hf_moe triton, torch GEMMs   the same with torch's grouped_mm for its GEMMs, where that is the fast path (bf16
-                         on sm90: what the Triton backend runs there by default)
-  * hf_moe torch         the same block on the pure-torch ops (the default on CUDA)
+                         on sm90: what the Triton backend runs there, the CUDA default for bf16 on sm90)
+  * hf_moe torch         the same block on the pure-torch ops (the default elsewhere on CUDA)
   * hf grouped_mm        transformers' `Qwen3MoeSparseMoeBlock`, experts_implementation="grouped_mm"
   * dense                a dense SwiGLU MLP of intermediate size k*I: the same active FLOPs, no routing
 All MoE blocks hold the same router and expert weights, so they route alike. Printed: the median and the 20th-80th

@@ -1,5 +1,5 @@
-"""Steps 1, 4, 5 and 6 of gpu_check: the environment, the training step (and EP x FSDP2), the Triton tests on CUDA,
-and compute-sanitizer. Each runs in a child process (runner.py) as fn(step, smoke, limit)."""
+"""Steps 1, 4, 5 and 6 of gpu_check: the environment, the training step (the default's choice, EP x FSDP2), the Triton
+tests on CUDA, and compute-sanitizer. Each runs in a child process (runner.py) as fn(step, smoke, limit)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ TRITON_TESTS = ROOT / "tests" / "test_triton.py"
 # report the CPU backend (`backend_report()` under HF_MOE_BACKEND=auto builds the C++ extension, which nothing here
 # runs; CI runs them). Under --smoke (the interpreter, CI): a few quick kernel tests, so the step's code runs.
 GPU_TESTS = "not compiles_for_sm90 and not aot_check and not env_reports_the_triton_backend and " \
-            "not cuda_defaults_to_torch"
+            "not cuda_default_is_triton"
 SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
               "(test_grouped_mm_forward_and_dx and dropped)"
 # Under compute-sanitizer (slow): the small kernel tests.
@@ -284,11 +284,47 @@ def step_training(step, device: torch.device, smoke: bool) -> None:
          "fallback); AdamW step finite")
 
 
+def default_choice(step, smoke: bool, timeout: float) -> None:
+    """What HF_MOE_BACKEND=auto runs on this GPU per dtype, executed in a child (default_choice.py), into `step`:
+    the other steps force a backend, so this is where the default's own selection runs on a GPU."""
+    if smoke:
+        step.status, step.summary = SKIPPED, "skipped: --smoke has no GPU to choose for"
+        return
+    status, out = _run([sys.executable, "-m", "hf_moe.gpu_check.default_choice"], timeout, {"HF_MOE_BACKEND": "auto"})
+    lines = [line for line in out.splitlines() if line.startswith("DEFAULT_CHOICE ")]
+    result = json.loads(lines[-1][len("DEFAULT_CHOICE "):]) if lines else {}
+    records = result.get("records", [])
+    step.data = dict(exit_status=status, **result)
+    step.detail = f"`HF_MOE_BACKEND=auto python -m hf_moe.gpu_check.default_choice`\n\n{code_block(out)}"
+    if status == 0 and records:
+        step.status = PASSED
+        step.summary = ", ".join(f"{r['dtype']} -> {r['cuda_default']} ({r['triton_launches']} Triton launches)"
+                                 for r in records)
+    else:
+        step.status = FAILED
+        problems = [f"{r['dtype']}: {'; '.join(r['problems'])}" for r in records if r["problems"]]
+        last = (out.strip().splitlines() or ["no output"])[-1]
+        step.summary = "; ".join(problems) or f"exit status {status}: {last}"
+
+
 def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
-    """Step 4: the training step, then the EP x FSDP2 step (skipped with fewer than 2 GPUs), as one step."""
+    """Step 4: the training step, the CUDA default's choice, then the EP x FSDP2 step (skipped with fewer than 2
+    GPUs), as one step."""
     start = time.monotonic()
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     step_training(step, device, smoke)
+    step.flush()
+    choice = type(step)(step.number, "default backend")
+    try:
+        default_choice(choice, smoke, min(60.0, limit - (time.monotonic() - start) - MARGIN))
+    except Exception as err:  # recorded in the step like any failure
+        choice.status, choice.summary = FAILED, f"{type(err).__name__}: {err}"
+    step.data["default_backend"] = dict(status=choice.status, summary=choice.summary, **choice.data)
+    said = choice.summary if choice.status == SKIPPED else f"{choice.status}: {choice.summary}"
+    step.detail += f"\n\nThe default backend (HF_MOE_BACKEND=auto): {said}\n\n{choice.detail}"
+    step.summary += f"; default backend: {choice.summary}"
+    if choice.status == FAILED:
+        step.status = FAILED
     step.flush()
     ep = type(step)(step.number, "EP x FSDP2")
     try:
@@ -296,7 +332,8 @@ def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
     except Exception as err:  # recorded in the step like any failure
         ep.status, ep.summary = FAILED, f"{type(err).__name__}: {err}"
     step.data["expert_parallel"] = dict(status=ep.status, summary=ep.summary, **ep.data)
-    step.detail += f"\n\nEP x FSDP2: {ep.status}: {ep.summary}\n\n{ep.detail}"
+    step.detail += f"\n\nEP x FSDP2: {ep.summary if ep.status == SKIPPED else ep.status + ': ' + ep.summary}" \
+                   f"\n\n{ep.detail}"
     step.summary += f"; EP x FSDP2: {ep.summary if ep.status != PASSED else 'passed: ' + ep.summary}"
     if ep.status == FAILED:
         step.status = FAILED

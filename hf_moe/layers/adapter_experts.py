@@ -222,7 +222,7 @@ class AdapterExperts(nn.Module):
         or not sent) contribute nothing."""
         with _autocast_off(hidden_states) as dtype:
             x = hidden_states.to(dtype) if dtype is not None else hidden_states
-            ops = dispatch_ops(x.device, kernel_activation(self.activation))
+            ops = dispatch_ops(x.device, kernel_activation(self.activation), x.dtype)
             k = top_k_index.shape[1]
             sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, self.num_experts)
             token = torch.div(sorted_slots, k, rounding_mode="floor")  # [M]: the token of each sorted row
@@ -239,7 +239,7 @@ class AdapterExperts(nn.Module):
         rows are grouped by expert already (C each)."""
         with _autocast_off(hidden_states) as dtype:
             x = hidden_states.to(dtype) if dtype is not None else hidden_states
-            ops = dispatch_ops(x.device, kernel_activation(self.activation))
+            ops = dispatch_ops(x.device, kernel_activation(self.activation), x.dtype)
             e, c = expert_index.shape
             token = expert_index.reshape(-1)
             tokens_per_expert = torch.full((e,), c, dtype=torch.int64, device=x.device)

@@ -6,9 +6,11 @@
 
   * compiled: the C++ CPU kernels of csrc/ (OpenMP) for the `torch.ops.hf_moe.*` ops, built on first use;
   * torch:    `reference.py`, always available, the oracle the others are tested against, and the default on CUDA
-              (torch ops, with `torch.nn.functional.grouped_mm` for the GEMMs where it is torch's fast path);
-  * triton:   `torch.ops.hf_moe_triton.*` from triton/ (GPU; CPU tensors under TRITON_INTERPRET=1): opt-in with
-              HF_MOE_BACKEND=triton until `python -m hf_moe.gpu_check` has passed on a real GPU.
+              but for bf16 on sm90 (torch ops, with `torch.nn.functional.grouped_mm` for the GEMMs where it is torch's
+              fast path);
+  * triton:   `torch.ops.hf_moe_triton.*` from triton/ (GPU; CPU tensors under TRITON_INTERPRET=1): the CUDA
+              default for bf16 experts on sm90, where `python -m hf_moe.gpu_check` passed on an H100; elsewhere
+              opt-in with HF_MOE_BACKEND=triton.
 
 Which one runs is decided in backend.py (`HF_MOE_BACKEND`, `use_backend`, `backend_report`); `python -m hf_moe.env`
 says which and why. library.py defines every hf_moe op when this package is imported, so a saved `torch.export`

@@ -2,9 +2,9 @@
 
 `HF_MOE_BACKEND` (read by extension.py):
   * auto (default): on CPU the compiled C++ kernels, falling back to the pure-torch ops with one warning when the
-    extension cannot be built; on CUDA the pure-torch ops (`reference.py`: torch ops, and torch's own grouped GEMM
-    where it is its fast path), because that is code PyTorch itself runs on GPUs. hf_moe's Triton kernels have not
-    yet passed `python -m hf_moe.gpu_check` on a real GPU, so they are never chosen for you (`cuda_default`).
+    extension cannot be built; on CUDA, hf_moe's Triton kernels for bf16 experts on sm90, where they passed
+    `python -m hf_moe.gpu_check` on an H100 and ran faster than the torch ops, and the pure-torch ops (`reference.py`:
+    torch ops, and torch's own grouped GEMM where it is its fast path) everywhere else (`cuda_default`).
   * compiled: as auto, but a failed build of the C++ extension is an error (CUDA tensors run as under auto: the
     extension has no CUDA kernels);
   * triton: the Triton kernels everywhere (CUDA; CPU tensors only under TRITON_INTERPRET=1, for tests);
@@ -94,35 +94,50 @@ def _triton_status(device_type: str) -> tuple[bool, str]:
     return status(device_type)
 
 
-# Why CUDA tensors do not run hf_moe's Triton kernels unless asked: the design's rule that what runs by default on a
-# device has executed on that kind of device. Change it (and docs/backends.md) once a GPU run of
-# `python -m hf_moe.gpu_check` has passed and measured Triton faster.
+# The design's rule: what runs by default on a device has executed there. hf_moe's Triton kernels are the CUDA default
+# only where `python -m hf_moe.gpu_check` passed on that kind of GPU and measured them faster than the torch ops
+# (docs/backends.md, "What has been executed on a GPU"): bf16 experts on compute capability 9.x (an H100, 2026-11-27).
+TRITON_DEFAULT_CAPABILITY, TRITON_DEFAULT_DTYPE = 9, torch.bfloat16
 CUDA_DEFAULT_WHY = (
-    "the default on CUDA runs only code PyTorch itself runs on GPUs; hf_moe's Triton kernels have not yet passed "
-    "`python -m hf_moe.gpu_check` on a GPU, so they are opt-in (HF_MOE_BACKEND=triton)"
+    "hf_moe's Triton kernels are the default for bf16 experts on sm90, where they passed "
+    "`python -m hf_moe.gpu_check` on an H100 and ran faster than the torch ops; elsewhere on CUDA the torch ops, which "
+    "PyTorch itself runs on GPUs (HF_MOE_BACKEND=triton opts in)"
 )
 
 
-def cuda_default() -> tuple[str, str]:
-    """(backend, why) for CUDA tensors under the current HF_MOE_BACKEND."""
+def cuda_default(device: torch.device | int | None = None, dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """(backend, why) for experts in `dtype` on CUDA `device` (None: the current one) under HF_MOE_BACKEND."""
     setting = backend_setting()
     if setting == "triton":
         return "triton", "HF_MOE_BACKEND=triton"
     if setting == "torch":
         return "torch", "HF_MOE_BACKEND=torch"
-    return "torch", f"HF_MOE_BACKEND={setting}: {CUDA_DEFAULT_WHY}"
+    if not torch.cuda.is_available():
+        return "torch", f"HF_MOE_BACKEND={setting}; no GPU here: {CUDA_DEFAULT_WHY}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != TRITON_DEFAULT_CAPABILITY or dtype != TRITON_DEFAULT_DTYPE:
+        return "torch", f"HF_MOE_BACKEND={setting}; {str(dtype).removeprefix('torch.')} on sm{major}{minor}: " \
+                        f"{CUDA_DEFAULT_WHY}"
+    usable, why = _triton_status("cuda")
+    if not usable:
+        return "torch", f"HF_MOE_BACKEND={setting}; Triton cannot run here ({why}): {CUDA_DEFAULT_WHY}"
+    return "triton", f"HF_MOE_BACKEND={setting}; bf16 on sm{major}{minor}: {CUDA_DEFAULT_WHY}"
 
 
-@torch.compiler.disable  # decided once per device type, outside any trace
-def _choose(device_type: str) -> str:
-    """The backend HF_MOE_BACKEND selects for tensors on `device_type` (load_extension warns, or raises under
-    HF_MOE_BACKEND=compiled, when the C++ extension cannot be built for CPU tensors)."""
+@torch.compiler.disable  # decided once per (device type, CUDA device, dtype), outside any trace
+def _choose(where: tuple[str, int | None, torch.dtype | None]) -> str:
+    """The backend HF_MOE_BACKEND selects for experts on `where` = (device type, CUDA device index, dtype)
+    (load_extension warns, or raises under HF_MOE_BACKEND=compiled, when the C++ extension cannot be built for CPU
+    tensors)."""
+    device_type, index, dtype = where
     setting = backend_setting()
     if setting in ("torch", "triton"):
         return setting
     if device_type == "cpu":
         return "compiled" if _compiled() is not None else "torch"
-    return "torch" if device_type != "cuda" else cuda_default()[0]
+    if device_type != "cuda":
+        return "torch"
+    return cuda_default(index, dtype if dtype is not None else torch.float32)[0]
 
 
 @torch.compiler.disable  # built once per (backend, device, activation), outside any trace
@@ -139,7 +154,7 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
         return triton_dispatch_ops(activation)
     if device_type != "cpu":
         raise RuntimeError(f"the compiled backend (C++) runs on CPU tensors, not {device_type}; on CUDA use "
-                           "'torch' (the default there) or 'triton' (opt-in).")
+                           "'auto', 'torch' or 'triton'.")
     compiled = _compiled()
     if activation not in KERNEL_ACTIVATIONS:
         return dataclasses.replace(
@@ -149,28 +164,30 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
     return compiled
 
 
-def dispatch_ops(device: torch.device, activation: str) -> DispatchOps:
-    """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`)."""
-    key = (_forced[-1] if _forced else None, device.type, activation)
+def dispatch_ops(device: torch.device, activation: str, dtype: torch.dtype | None = None) -> DispatchOps:
+    """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`) with experts computing in
+    `dtype` (on CUDA the default backend depends on it, `cuda_default`; None counts as fp32)."""
+    where = (device.type, device.index, dtype) if device.type == "cuda" else (device.type, None, None)
+    key = (_forced[-1] if _forced else None, where, activation)
     _select(key)
     return _variants[key]
 
 
-_chosen: dict[str, str] = {}  # device type -> the backend HF_MOE_BACKEND selects there
-_variants: dict[tuple[str | None, str, str], DispatchOps] = {}
+_chosen: dict[tuple, str] = {}  # (device type, CUDA index, dtype) -> the backend HF_MOE_BACKEND selects there
+_variants: dict[tuple, DispatchOps] = {}
 
 
 @torch.compiler.assume_constant_result  # traced calls run it at trace time: loading and choosing are never traced
-def _select(key: tuple[str | None, str, str]) -> bool:
-    """Pick the ops for (forced backend or None, device type, activation) into `_variants`, once per key, loading
-    (maybe building) the extension on the way."""
+def _select(key: tuple) -> bool:
+    """Pick the ops for (forced backend or None, (device type, CUDA index, dtype), activation) into `_variants`,
+    once per key, loading (maybe building) the extension on the way."""
     if key not in _variants:
-        backend, device_type, activation = key
+        backend, where, activation = key
         if backend is None:
-            if device_type not in _chosen:
-                _chosen[device_type] = _choose(device_type)
-            backend = _chosen[device_type]
-        _variants[key] = _variant(backend, device_type, activation)
+            if where not in _chosen:
+                _chosen[where] = _choose(where)
+            backend = _chosen[where]
+        _variants[key] = _variant(backend, where[0], activation)
     return True
 
 
@@ -235,7 +252,7 @@ def experts_forward(
 def _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu):
     if _onnx_exporting():
         return dense_experts_forward(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
-    ops = dispatch_ops(hidden_states.device, activation)
+    ops = dispatch_ops(hidden_states.device, activation, hidden_states.dtype)
     return run_experts(ops, hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu)
 
 
@@ -271,15 +288,16 @@ def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
 
 
 def _cuda_report() -> dict[str, tuple[str, str]]:
-    backend, why = cuda_default()
-    gemms = ("torch grouped_mm for bf16 on sm90 (16-byte aligned); else a torch.mm per expert (one host sync)",
-             GROUPED_MM_WHY)
-    if backend == "torch":
-        return {"experts on CUDA": ("torch ops (reference.py)", why), "GEMMs on CUDA": gemms}
-    usable, status = _triton_status("cuda")
-    if not usable:
-        return {"experts on CUDA": ("triton: cannot run here, the ops raise", f"{why}; {status}")}
-    return {
-        "experts on CUDA": ("triton kernels (opt-in), permute fused into the GEMMs", f"{why}; {status}"),
-        "GEMMs on CUDA": ("torch grouped_mm where usable (as above), else triton", GROUPED_MM_WHY),
-    }
+    """The experts on CUDA in bf16 and in the other dtypes (on this process's GPU, if any), and their GEMMs."""
+    report = {}
+    for label, dtype in (("bf16", torch.bfloat16), ("other", torch.float32)):
+        backend, why = cuda_default(dtype=dtype)
+        if backend == "torch":
+            report[f"experts on CUDA, {label}"] = ("torch ops (reference.py)", why)
+            continue
+        usable, status = _triton_status("cuda")
+        report[f"experts on CUDA, {label}"] = ("triton kernels, permute fused into the GEMMs" if usable else
+                                               "triton: cannot run here, the ops raise", f"{why}; {status}")
+    report["GEMMs on CUDA"] = ("torch grouped_mm for bf16 on sm90 (16-byte aligned); else a torch.mm per expert "
+                               "(one host sync) on the torch ops, a Triton kernel on the Triton ones", GROUPED_MM_WHY)
+    return report

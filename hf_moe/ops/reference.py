@@ -18,7 +18,8 @@ the data, over the experts' row groups, is the body of two torch.library ops, `h
 `hf_moe_torch::grouped_mm_weight_grad`, which a tracer records as one node each (with a shape function, and a
 backward formula for `grouped_mm`, see autograd.py). Loop-free formulations cost E times the FLOPs (every row
 through every expert: dense.py, for ONNX) or an [M, K, out] gather of the weights. `torch.nn.functional.grouped_mm`
-runs instead where it is torch's fast path, bf16 on sm90 (`torch_grouped_mm_usable`; this is the default on CUDA).
+runs instead where it is torch's fast path, bf16 on sm90 (`torch_grouped_mm_usable`; the Triton backend calls it
+there too).
 """
 
 from __future__ import annotations

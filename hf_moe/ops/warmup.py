@@ -100,4 +100,4 @@ def _run_once(experts: torch.nn.Module, tokens: int, top_k: int) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     activation = getattr(experts, "activation", None) or "silu"
-    return dispatch_ops(device, kernel_activation(activation)).name
+    return dispatch_ops(device, kernel_activation(activation), dtype).name

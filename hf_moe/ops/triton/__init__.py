@@ -1,5 +1,5 @@
-"""Triton kernels of the dispatch ops: opt-in on CUDA (HF_MOE_BACKEND=triton), executed on CPU by Triton's
-interpreter in the tests.
+"""Triton kernels of the dispatch ops: the CUDA default for bf16 experts on sm90, opt-in elsewhere on CUDA
+(HF_MOE_BACKEND=triton), executed on CPU by Triton's interpreter in the tests.
 
     routing.py       sort_by_expert: per-expert counts and the stable permutation, on the device (3 kernels)
     permute.py       permute (gather into expert order) and unpermute (weighted combine)

@@ -3,7 +3,7 @@
 Triton decides when a kernel is *defined* (`@triton.jit`) whether it is compiled for the GPU or run by its
 interpreter: `triton.knobs.runtime.interpret`, i.e. `TRITON_INTERPRET=1` in the environment at import time of
 the kernel modules. `INTERPRETING` records that decision, so it can be checked against the tensors at launch:
-  * GPU:          CUDA tensors, kernels compiled by Triton (opt-in: HF_MOE_BACKEND=triton);
+  * GPU:          CUDA tensors, kernels compiled by Triton (backend.cuda_default says where);
   * interpreter:  CPU tensors, each program run by numpy (how the tests execute every kernel on CPU; slow).
 """
 
