@@ -101,8 +101,8 @@ def _exchange_and_compute(plan: ExpertParallelPlan, hidden_states, top_k_index, 
         output_size=received.shape[0],
     )
     computed = run_experts(
-        dispatch_ops(received.device, activation, received.dtype), received, local_ids.unsqueeze(1), received_weight, *params,
-        activation, glu,
+        dispatch_ops(received.device, activation, received.dtype), received, local_ids.unsqueeze(1), received_weight,
+        *params, activation, glu,
     )
     returned = _AllToAll.apply(computed, recv, send, plan.ep_group)  # [sent, H], in our sorted order, weighted
 
