@@ -71,6 +71,6 @@ HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WO
     tests/test_experts_interface.py tests/test_compat.py \
     tests/test_triton.py tests/test_gpu_check.py tests/test_saved_programs.py tests/test_parallel.py \
     tests/test_distributed.py \
-    -k "not (env_reports_the_triton_backend or cuda_defaults_to_torch or falls_back_to_torch_fails or crash_a_hang \
+    -k "not (env_reports_the_triton_backend or cuda_default_is_triton or falls_back_to_torch_fails or crash_a_hang \
 or cut_short or overweighted or accelerate_launch_example or (saved_program_loads_in_a_fresh_process and auto) \
 or kernels_under_the_interpreter)"
