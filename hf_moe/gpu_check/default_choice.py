@@ -49,6 +49,7 @@ def check(dtype: torch.dtype, device: torch.device) -> dict:
     from ..ops import dispatch_ops, use_backend
     from ..ops.backend import cuda_default
     from ..ops.triton.runtime import launch_counts
+    from .correctness import rel_error
 
     named, why = cuda_default(device, dtype)
     picked = dispatch_ops(device, "silu", dtype).name
@@ -61,12 +62,8 @@ def check(dtype: torch.dtype, device: torch.device) -> dict:
     launches = sum(launch_counts.values()) - before
     with use_backend(named):
         want_out, want_dx = _run(block, x)
-
-    def rel(a, b):
-        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
     record = dict(dtype=str(dtype).removeprefix("torch."), cuda_default=named, why=why, dispatch_ops=picked,
-                  triton_launches=launches, output_error=rel(out, want_out), dx_error=rel(dx, want_dx))
+                  triton_launches=launches, output_error=rel_error(out, want_out), dx_error=rel_error(dx, want_dx))
     problems = []
     if picked != named:
         problems.append(f"dispatch_ops picked {picked}, cuda_default names {named}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .record import FAILED, PASSED, SKIPPED, code_block, triton_fallbacks
+from .record import FAILED, PASSED, SKIPPED, Step, code_block, triton_fallbacks
 from .runner import ROOT, kill_group
 
 TRITON_TESTS = ROOT / "tests" / "test_triton.py"
@@ -307,6 +307,23 @@ def default_choice(step, smoke: bool, timeout: float) -> None:
         step.summary = "; ".join(problems) or f"exit status {status}: {last}"
 
 
+def _part(step: Step, key: str, label: str, run) -> Step:
+    """Run `run(part)` as a part of `step` named `label`: an exception is recorded in the part like any failure, its
+    record goes to step.data[key], its detail is appended to the step's, and its failure fails the step. The part,
+    for the caller's summary."""
+    part = Step(step.number, label)
+    try:
+        run(part)
+    except Exception as err:  # recorded in the part like any failure
+        part.status, part.summary = FAILED, f"{type(err).__name__}: {err}"
+    step.data[key] = dict(status=part.status, summary=part.summary, **part.data)
+    said = part.summary if part.status == SKIPPED else f"{part.status}: {part.summary}"
+    step.detail += f"\n\n{label}: {said}\n\n{part.detail}"
+    if part.status == FAILED:
+        step.status = FAILED
+    return part
+
+
 def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
     """Step 4: the training step, the CUDA default's choice, then the EP x FSDP2 step (skipped with fewer than 2
     GPUs), as one step."""
@@ -314,29 +331,13 @@ def step_training_and_expert_parallel(step, smoke: bool, limit: float) -> None:
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     step_training(step, device, smoke)
     step.flush()
-    choice = type(step)(step.number, "default backend")
-    try:
-        default_choice(choice, smoke, min(60.0, limit - (time.monotonic() - start) - MARGIN))
-    except Exception as err:  # recorded in the step like any failure
-        choice.status, choice.summary = FAILED, f"{type(err).__name__}: {err}"
-    step.data["default_backend"] = dict(status=choice.status, summary=choice.summary, **choice.data)
-    said = choice.summary if choice.status == SKIPPED else f"{choice.status}: {choice.summary}"
-    step.detail += f"\n\nThe default backend (HF_MOE_BACKEND=auto): {said}\n\n{choice.detail}"
+    choice = _part(step, "default_backend", "The default backend (HF_MOE_BACKEND=auto)",
+                   lambda part: default_choice(part, smoke, min(60.0, limit - (time.monotonic() - start) - MARGIN)))
     step.summary += f"; default backend: {choice.summary}"
-    if choice.status == FAILED:
-        step.status = FAILED
     step.flush()
-    ep = type(step)(step.number, "EP x FSDP2")
-    try:
-        step_expert_parallel(ep, smoke, limit - (time.monotonic() - start) - MARGIN)
-    except Exception as err:  # recorded in the step like any failure
-        ep.status, ep.summary = FAILED, f"{type(err).__name__}: {err}"
-    step.data["expert_parallel"] = dict(status=ep.status, summary=ep.summary, **ep.data)
-    step.detail += f"\n\nEP x FSDP2: {ep.summary if ep.status == SKIPPED else ep.status + ': ' + ep.summary}" \
-                   f"\n\n{ep.detail}"
+    ep = _part(step, "expert_parallel", "EP x FSDP2",
+               lambda part: step_expert_parallel(part, smoke, limit - (time.monotonic() - start) - MARGIN))
     step.summary += f"; EP x FSDP2: {ep.summary if ep.status != PASSED else 'passed: ' + ep.summary}"
-    if ep.status == FAILED:
-        step.status = FAILED
 
 
 def step_expert_parallel(step, smoke: bool, timeout: float) -> None:

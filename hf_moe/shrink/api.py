@@ -176,10 +176,14 @@ class _Run:
         self.dtype = layout.source.float_dtype()  # what the checkpoint stores
         self.fixed: dict | None = None  # global scope: {"kept": [...], "groups": {...}} for every layer
         self.collect = False  # first pass of global scope: statistics only
-        self.paired = False  # the forward carries the original model's rows beside the shrunk model's (_forward)
         self.stats: dict[int, dict] = {}
         self.choices: dict[int, Choice] = {}
         self._configs: dict[int, object] = {}
+
+    @property
+    def paired(self) -> bool:
+        """Whether the forward carries the original model's rows beside the shrunk model's (`_forward`)."""
+        return self.method in ("reconstruction", "merge") and not self.collect
 
     def config_for(self, m: int):
         if m not in self._configs:
@@ -217,8 +221,7 @@ class _Run:
         layout = self.layout
         # Reconstruction and merge aim each layer at the original model's output, carried beside the shrunk model's in
         # the same forward (the calibration rows twice), so that a layer can make up for what the layers before it
-        # lost (select.py); the scoring pass of global scope shrinks nothing and needs no second copy.
-        self.paired = self.method in ("reconstruction", "merge") and not self.collect
+        # lost (select.py); the scoring pass of global scope shrinks nothing and needs no second copy (`paired`).
         tokens = ids.numel()
         if self.paired:  # rows [:B] carry the original model, rows [B:] the shrunk one
             ids = torch.cat([ids, ids])
@@ -294,9 +297,8 @@ class _Run:
         dtypes = {k: v.dtype for k, v in block.state_dict().items()}
         shrunk = make_block(block, self.config_for(self.keep), {k: v.to(dtypes[k]) for k, v in new_state.items()})
         kept = shrunk(hidden)
-        if original is None:
-            return kept
-        return torch.cat([output.chunk(2)[0], kept[0] if isinstance(kept, tuple) else kept])
+        kept = kept[0] if isinstance(kept, tuple) else kept
+        return kept if original is None else torch.cat([output.chunk(2)[0], kept])
 
     def _data(self, block, params: dict, x: torch.Tensor, original: torch.Tensor | None = None) -> LayerData:
         """The layer's routing on a sample of the tokens x [N, H] (all of them when they fit SEARCH_BYTES), and for
