@@ -76,9 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     shrink.add_argument("out", help="output directory (the same kind of checkpoint)")
     shrink.add_argument("--keep", type=int, required=True, help="experts kept in every MoE layer")
     shrink.add_argument("--method", default="reconstruction",
-                        choices=["reconstruction", "merge", "frequency", "random"],
-                        help="reconstruction: the subset that reproduces each layer's output best (default); merge: "
-                        "the others merged into it where that helps; frequency: the most routed; random: the baseline")
+                        choices=["reconstruction", "loss", "merge", "frequency", "random"],
+                        help="reconstruction: the subset that reproduces each layer's output best (default); loss: "
+                        "one of reconstruction's best few per layer, chosen by the model's loss on the text (loads "
+                        "the model whole); merge: the others merged into it where that helps; frequency: the most "
+                        "routed; random: the baseline")
     shrink.add_argument("--data", help="calibration text: .txt, or .json/.jsonl with a text field (all methods but "
                         "random)")
     shrink.add_argument("--scope", default="layer", choices=["layer", "global"],
@@ -87,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     shrink.add_argument("--calibration-tokens", type=int, default=4096)
     shrink.add_argument("--seq-len", type=int, default=256, help="calibration tokens per row")
     shrink.add_argument("--max-shard-size", default="5GB")
+    shrink.add_argument("--search-candidates", type=int, default=8,  # hf_moe.shrink.search.SEARCH_CANDIDATES
+                        help="--method loss: subsets tried per layer (reconstruction's best first)")
 
     materialize = sub.add_parser("materialize", help="turn a checkpoint of LoRA adapter experts into an ordinary "
                                  "MoE checkpoint (expert e = W + B_e A_e): exportable, quantizable, mergeable")

@@ -33,7 +33,7 @@ import torch
 import hf_moe
 
 DOMAINS = ("bible", "pydocs", "pycode", "cpp", "licenses", "metadata", "awscli", "web")
-METHODS = ("reconstruction", "merge", "frequency")
+METHODS = ("reconstruction", "loss", "merge", "frequency")
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 
 
@@ -134,6 +134,7 @@ def shrink_and_measure(runs: Runs, name: str, source: Path, work: Path, batches,
         "parameters": counts["total"], "bytes": weight_bytes(out), "shrink_s": round(seconds, 1),
         "mean_layer_error": statistics.mean(errors) if errors else None,
         "merged_groups": sum(len(c.groups) for c in result.layers.values()),
+        "calibration_loss": result.search.report() if result.search else None,
     })
     del model
     shutil.rmtree(out)
@@ -246,24 +247,29 @@ def spread(values: list[float]) -> str:
 
 
 def verdict(runs: Runs, name: str, base: float, keeps: list[int], seeds: list[int]) -> str:
-    """The issue's goals, read off the runs: reconstruction below frequency and below every random seed at each size
-    measured; the best method's loss at half the experts against the full model's (goal: within 2%)."""
+    """The issue's goals, read off the runs: reconstruction (and the search by loss) below frequency and below every
+    random seed at each size measured; the best method's loss at half the experts against the full model's (goal: within 2%)."""
     def loss(method, keep, seed=0):
         record = runs.get(f"{name}/{method}/keep{keep}/seed{seed}")
         return record["loss"]["mean"] if record else None
 
-    beats, misses = [], []
-    for keep in keeps:
-        rec, others = loss("reconstruction", keep), [loss("frequency", keep), *(loss("random", keep, s) for s in seeds)]
-        if rec is None or None in others:
-            continue
-        (beats if rec < min(others) else misses).append(keep)
-    text = (f"Reconstruction below frequency and every random seed at {beats} experts kept" if beats else
-            "Reconstruction below frequency and every random seed at none of the sizes measured")
-    text += f"; not at {misses}." if misses and beats else "."
+    sentences = []
+    for method in ("reconstruction", "loss"):
+        beats, misses = [], []
+        for keep in keeps:
+            mine = loss(method, keep)
+            others = [loss("frequency", keep), *(loss("random", keep, s) for s in seeds)]
+            if mine is None or None in others:
+                continue
+            (beats if mine < min(others) else misses).append(keep)
+        if beats or misses:
+            label = "Reconstruction" if method == "reconstruction" else "The search by loss"
+            sentences.append(f"{label} below frequency and every random seed at {beats or 'none of the'} experts kept"
+                             + (f"; not at {misses}." if misses and beats else "."))
+    text = " ".join(sentences)
     full = runs.get(f"{name}/skip/0.0")
     half = full["experts"] // 2
-    at_half = {m: loss(m, half) for m in ("reconstruction", "merge")} if half in keeps else {}
+    at_half = {m: loss(m, half) for m in ("reconstruction", "loss", "merge")} if half in keeps else {}
     at_half = {m: v for m, v in at_half.items() if v is not None}
     if at_half:
         method, value = min(at_half.items(), key=lambda kv: kv[1])
@@ -295,11 +301,13 @@ def tables(runs: Runs, names: list[str], keeps: list[int], seeds: list[int]) -> 
             size = (f"{record['parameters'] / 1e6:.0f}M | {record['bytes'] / 2**20:.0f} MiB" if record else "- | -")
             lines.append(f"| {keep} | " + " | ".join(cells) + f" | {spread(rnd) if rnd else '-'} | {size} |")
         lines += ["", verdict(runs, name, base, keeps, seeds), ""]
-        per_domain = [runs.get(f"{name}/{m}/keep{keeps[len(keeps) // 2]}/seed0") for m in METHODS]
-        if all(per_domain):
-            keep = keeps[len(keeps) // 2]
+        keep = keeps[len(keeps) // 2]
+        measured = {m: runs.get(f"{name}/{m}/keep{keep}/seed0") for m in METHODS}
+        measured = {m: r for m, r in measured.items() if r}  # the methods run at that size
+        per_domain = list(measured.values())
+        if per_domain:
             lines += [f"Per domain at {keep} experts (nats/token):", "",
-                      "| domain | full | " + " | ".join(METHODS) + " |", "|---" * (len(METHODS) + 2) + "|"]
+                      "| domain | full | " + " | ".join(measured) + " |", "|---" * (len(measured) + 2) + "|"]
             for d in [d for d in DOMAINS if d in full["loss"]]:
                 lines.append(f"| {d} | {full['loss'][d]:.4f} | " + " | ".join(f"{r['loss'][d]:.4f}" for r in per_domain)
                              + " |")

@@ -192,7 +192,7 @@ def _shrink(args) -> None:
         warnings.simplefilter("always", UserWarning)
         result = shrink(args.model, args.out, args.keep, args.method, args.data, scope=args.scope, seed=args.seed,
                         calibration_tokens=args.calibration_tokens, seq_len=args.seq_len,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=args.max_shard_size, search_candidates=args.search_candidates)
     for warning in caught:
         print(f"Note: {warning.message}", file=sys.stderr)
     errors = [c.error for c in result.layers.values() if c.error is not None]
@@ -206,6 +206,10 @@ def _shrink(args) -> None:
     if errors:
         print(f"Relative reconstruction error per layer on the calibration text: mean {sum(errors) / len(errors):.4f}, "
               f"max {max(errors):.4f} (what was kept: {args.out}/shrink.json).")
+    if result.search:
+        found = result.search
+        print(f"Calibration loss (nats per token): full model {found.full_loss:.4f}, reconstruction's choice "
+              f"{found.reconstruction_loss:.4f}, kept {found.loss:.4f} ({found.evaluations} evaluations).")
 
 
 def _export(args) -> None:

@@ -64,7 +64,7 @@ def _native_dir(root, model_type: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- exactness
-@pytest.mark.parametrize("method", ["reconstruction", "merge", "frequency", "random"])
+@pytest.mark.parametrize("method", ["reconstruction", "loss", "merge", "frequency", "random"])
 def test_keeping_every_expert_returns_the_same_logits(moe_dir, calib, tmp_path, method):
     ids = random_ids()
     result = hf_moe.shrink(moe_dir, tmp_path / "out", 4, method, calib, progress=False)
@@ -162,6 +162,9 @@ def test_the_cli_shrinks_and_reports(moe_dir, calib, tmp_path, capsys):
     assert cli(["shrink", moe_dir, str(tmp_path / "out"), "--keep", "3", "--method", "merge", "--data", calib]) == 0
     printed = capsys.readouterr().out
     assert "4 -> 3 experts, top-2" in printed and "Relative reconstruction error" in printed
+    assert cli(["shrink", moe_dir, str(tmp_path / "loss"), "--keep", "2", "--method", "loss", "--data", calib,
+                "--search-candidates", "2"]) == 0
+    assert "Calibration loss (nats per token): full model" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -179,6 +182,10 @@ def test_bad_input_is_refused_with_what_to_do(moe_dir, calib, tmp_path, capsys):
     tiny_dense("llama").save_pretrained(dense)
     with pytest.raises(ShrinkError, match="not a Mixture-of-Experts model.*hf-moe convert"):
         hf_moe.shrink(dense, tmp_path / "out", 2, "frequency", calib, progress=False)
+    with pytest.raises(ShrinkError, match="method='loss' chooses each layer's experts.*scope='global'"):
+        hf_moe.shrink(moe_dir, tmp_path / "out", 2, "loss", calib, scope="global", progress=False)
+    with pytest.raises(ShrinkError, match="search_candidates must be a positive integer, got 0"):
+        hf_moe.shrink(moe_dir, tmp_path / "out", 2, "loss", calib, search_candidates=0, progress=False)
     assert not (tmp_path / "out").exists()  # nothing written on any refusal
     assert cli(["shrink", moe_dir, str(tmp_path / "out"), "--keep", "0", "--data", calib]) == 2
     assert "hf-moe shrink: error: keep must be an integer from 1" in capsys.readouterr().err
@@ -251,6 +258,61 @@ def test_merge_is_never_worse_than_reconstruction_on_the_calibration_text(moe_di
     assert merged.layers[first].kept == rec.layers[first].kept
 
 
+def _calibration_loss(model, calib, tokenizer) -> float:
+    from hf_moe.shrink.calibration import calibration_ids, min_tokens
+
+    ids = calibration_ids(calib, tokenizer, 4096, 256, min_tokens(4, 2))
+    logits = _logits(model, ids)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
+
+
+@pytest.mark.parametrize("kind", ["hf_moe", "mixtral"])
+def test_the_loss_search_reports_the_loss_of_what_it_writes_and_beats_reconstruction_there(calib, tmp_path, kind):
+    """Method loss: each layer keeps one of reconstruction's best subsets, by the model's calibration loss with the
+    layers before it replayed from the best evaluation so far. The loss it reports for reconstruction's choice and
+    for its own is that of the checkpoints written (a stale replay would report a model never written). The hf_moe
+    model ties its output head to the input embedding, as SmolLM2 does: the head is not on disk."""
+    if kind == "hf_moe":
+        torch.manual_seed(0)
+        model = hf_moe.convert_to_moe(tiny_dense("llama", tie_word_embeddings=True), num_experts=4, top_k=2, noise=0.2)
+        source = str(tmp_path / "tied")
+        model.save_pretrained(source)
+        tiny_tokenizer().save_pretrained(source)
+    else:
+        source = _native_dir(tmp_path, "mixtral")
+    load = MoEForCausalLM.from_pretrained if kind == "hf_moe" else AutoModelForCausalLM.from_pretrained
+    tokenizer = tiny_tokenizer()
+    rec = hf_moe.shrink(source, tmp_path / "rec", 2, "reconstruction", calib, progress=False)
+    found = hf_moe.shrink(source, tmp_path / "loss", 2, "loss", calib, search_candidates=6, progress=False)
+    search = found.search
+    assert search.evaluations == 2 + 5 * len(found.layers)  # the full model, reconstruction's choice, 5 more a layer
+    assert search.reconstruction_loss == pytest.approx(_calibration_loss(load(tmp_path / "rec"), calib, tokenizer),
+                                                       abs=1e-5)
+    assert search.loss == pytest.approx(_calibration_loss(load(tmp_path / "loss"), calib, tokenizer), abs=1e-5)
+    assert search.full_loss == pytest.approx(_calibration_loss(load(source), calib, tokenizer), abs=1e-5)
+    changed = [i for i in found.layers if found.layers[i].kept != rec.layers[i].kept]
+    assert changed and search.loss < search.reconstruction_loss - 1e-4  # the search moved, and for the better
+    assert json.loads((tmp_path / "loss" / "shrink.json").read_text())["calibration_loss"]["kept"] == round(search.loss, 6)
+
+
+def test_ranked_subsets_come_from_enumeration_or_from_greedy_eliminations_last_step(monkeypatch):
+    from hf_moe.shrink import select
+
+    block, data, _, _ = _designed_layer()
+    rec = Reconstruction(block, data, router_state(block), lambda m: _config(m))
+    enumerated = rec.ranked(2, 4)
+    errors = [c.error for c in enumerated]
+    assert len(enumerated) == 4 and errors == sorted(errors) and enumerated[0].kept == rec.best(2).kept
+    assert all(c.error == pytest.approx(rec.error(c.kept)) for c in enumerated)
+    monkeypatch.setattr(select, "ENUMERATION_LIMIT", 1)  # as for 64 or 128 experts
+    greedy = rec.ranked(2, 3)
+    assert len(greedy) == 3 and len({tuple(c.kept) for c in greedy}) == 3 and greedy[0].kept == rec.best(2).kept
+    left = set().union(*(c.kept for c in greedy))  # the 3 experts left before the last drop, each less one
+    assert len(left) == 3 and all(len(c.kept) == 2 and len(left - set(c.kept)) == 1 for c in greedy)
+    assert [c.error for c in greedy] == sorted(c.error for c in greedy)
+    assert rec.ranked(4, 3)[0].kept == [0, 1, 2, 3]
+
+
 def test_each_layer_aims_at_the_original_model_not_at_its_own_shrunk_input(moe_dir, calib, tmp_path, monkeypatch):
     """Reconstruction said a later layer's choice corrects the error of the layers shrunk before it, but aimed each
     layer at the full block's output on the shrunk model's input, which takes that error as given. The target is now
@@ -261,9 +323,9 @@ def test_each_layer_aims_at_the_original_model_not_at_its_own_shrunk_input(moe_d
     seen = {}
     choose = api._Run._choose
 
-    def spy(self, block, data, state, params):
-        seen[len(seen)] = (data.x.clone(), data.routed.clone())
-        return choose(self, block, data, state, params)
+    def spy(self, layer, block, data, state, params):
+        seen[layer] = (data.x.clone(), data.routed.clone())
+        return choose(self, layer, block, data, state, params)
 
     monkeypatch.setattr(api._Run, "_choose", spy)
     hf_moe.shrink(moe_dir, tmp_path / "out", 2, "reconstruction", calib, calibration_tokens=256, progress=False)
@@ -341,6 +403,8 @@ def test_a_classifier_checkpoint_stays_a_classifier(calib, tmp_path):
     assert shrunk.config.architectures == ["MoELlamaForSequenceClassification"]
     ids = random_ids()
     assert torch.equal(_logits(shrunk, ids), _logits(model, ids))
+    with pytest.raises(ShrinkError, match="next-token loss of a causal LM.*MoEForSequenceClassification"):
+        hf_moe.shrink(tmp_path / "cls", tmp_path / "out2", 2, "loss", calib, progress=False)
 
 
 def test_an_aux_free_router_keeps_its_saved_bias(calib, tmp_path):

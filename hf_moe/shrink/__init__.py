@@ -5,6 +5,7 @@ transformers' own MoE checkpoints (docs/shrinking.md).
     calibration.py  the calibration text: read, tokenized, checked
     layer.py        one layer's routing, expert outputs, and routers and blocks built with fewer experts
     select.py       random, frequency and reconstruction choices, per layer and global
+    search.py       method loss: a coordinate search over the layers scored by the model's loss on the text
     merge.py        merging the experts left out into the ones kept (grouped, aligned, weighted, router refitted)
     output.py       the shrunk checkpoint's files, in the input's kind
     api.py          `shrink`: the layer-by-layer pass that ties them together

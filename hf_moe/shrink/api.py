@@ -6,7 +6,9 @@ runs, released after). When an MoE block has run, a hook on it sees the block's 
 layer keeps (`select`, `merge`), writes the layer's new router and experts, and hands the next layer the output of
 the shrunk block instead: later layers are chosen on the activations of the model as shrunk so far. Peak memory is
 one decoder layer, every expert's output on the calibration tokens, and the activations of the calibration batch.
-`random` reads no text and runs nothing: each layer's router and experts are read, cut and written.
+`random` reads no text and runs nothing: each layer's router and experts are read, cut and written. `loss` runs the
+layer-by-layer forward of reconstruction without writing, loads the model whole for `search.LossSearch`, then reads,
+cuts and writes each layer as random does.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from transformers import AutoModelForCausalLM
 from ..checkpoint import (
     load_tokenizer, reading, resolve_output_directory, same_directory, staging_directory, validate_checkpoint,
 )
-from ..convert.merge_layerwise import layerwise
+from ..convert.merge_layerwise import layerwise, materialize
+from ..modeling import MoEForCausalLM
 from .calibration import calibration_ids, min_tokens
-from .layer import LayerData, combine, expert_outputs, expert_params, is_sigmoid_router, make_block, route
+from .layer import LayerData, combine, expert_outputs, expert_params, is_sigmoid_router, replaced_block, route
 from .layer import router_state, select_rows
 from .layout import MoELayout, ShrinkError, open_layout
 from .merge import groups_for, logit_correlation, merge_layer
 from .output import ShrunkWriter, head_class
+from .search import SEARCH_CANDIDATES, LossSearch, SearchResult
 from .select import METHODS, Choice, Reconstruction, frequency_subset, global_subset, random_subset
 
 SCOPES = ("layer", "global")
@@ -53,6 +57,7 @@ class ShrinkResult:
     layers: dict[int, Choice] = field(default_factory=dict)
     calibration_tokens: int = 0
     seconds: float = 0.0
+    search: SearchResult | None = None  # method "loss"
 
     def report(self) -> dict:
         """The record written to shrink.json (and, for hf_moe, config.moe_conversion["shrink"])."""
@@ -62,10 +67,14 @@ class ShrinkResult:
             "kept": {str(i): c.kept for i, c in self.layers.items()},
             "merged": {str(i): {str(k): v for k, v in c.groups.items()} for i, c in self.layers.items() if c.groups},
             "relative_error": {str(i): round(c.error, 6) for i, c in self.layers.items() if c.error is not None},
+            **({"calibration_loss": self.search.report()} if self.search else {}),
             "note": "kept[layer][i]: the original expert that is now expert i (merged with merged[layer][it] where "
                     "listed); relative_error: the layer's routed experts in the shrunk model against the original "
                     "model's at that layer, on the calibration tokens: each token's squared error relative to its "
-                    "own output's, averaged (hf_moe.shrink.select)",
+                    "own output's, averaged (hf_moe.shrink.select)"
+                    + ("; calibration_loss: the model's mean next-token loss on the calibration text, full, with "
+                       "reconstruction's choice in every layer, and with the experts kept (hf_moe.shrink.search); "
+                       "relative_error as measured in reconstruction's pass, before the search" if self.search else ""),
         }
 
 
@@ -82,6 +91,7 @@ def shrink(
     seq_len: int = 256,
     tokenizer=None,
     max_shard_size: int | str = "5GB",
+    search_candidates: int = SEARCH_CANDIDATES,
     progress: bool = True,
 ) -> ShrinkResult:
     """Shrink the MoE checkpoint in directory `model` to `keep` experts per MoE layer, into `out`.
@@ -93,13 +103,16 @@ def shrink(
         keep: experts kept in every MoE layer, 1 to the model's count (the count itself changes nothing).
         method: "reconstruction" (the subset that reproduces each layer's output best), "merge" (the same subset,
             with the other experts merged into the closest kept one where that reproduces the layer better),
-            "frequency" (the most routed) or "random" (seeded; the baseline). See `hf_moe.shrink.select`.
+            "frequency" (the most routed), "random" (seeded; the baseline), or "loss" (each layer one of
+            reconstruction's best `search_candidates` subsets, chosen by the model's loss on the calibration text;
+            loads the model whole). See `hf_moe.shrink.select` and `hf_moe.shrink.search`.
         data: calibration text (.txt, or .json/.jsonl with a `text` field); every method but random needs it.
         scope: "layer" (each layer its own experts) or "global" (the same expert ids in every layer, chosen from
             all layers' statistics; see `hf_moe.shrink.select`).
         seed: of `random`, and of the sample of tokens a layer's search uses when the text is long.
         calibration_tokens: tokens of `data` used, in rows of `seq_len`.
         tokenizer: for `data`; default the one saved in `model`.
+        search_candidates: subsets tried per layer by method "loss".
     Returns:
         A `ShrinkResult`. top-k is lowered to `keep` where it was larger (said in the result and on stderr).
     Raises:
@@ -110,6 +123,11 @@ def shrink(
         raise ShrinkError(f"method must be one of {', '.join(METHODS)}, got {method!r}.")
     if scope not in SCOPES:
         raise ShrinkError(f"scope must be 'layer' or 'global', got {scope!r}.")
+    if method == "loss" and scope != "layer":
+        raise ShrinkError("method='loss' chooses each layer's experts (scope='layer'); for one set in every layer use "
+                          "method='reconstruction' with scope='global'.")
+    if not isinstance(search_candidates, int) or isinstance(search_candidates, bool) or search_candidates < 1:
+        raise ShrinkError(f"search_candidates must be a positive integer, got {search_candidates!r}.")
     src = Path(model)
     if same_directory(src, out):
         raise ShrinkError(f"The output directory {out} is the model {src}: write the shrunk model elsewhere.")
@@ -120,6 +138,9 @@ def shrink(
             validate_checkpoint(src, verify_checksums=None)  # a corrupt input is refused, not shrunk
         new_top_k = min(layout.top_k, keep)
         _check_top_k(layout, new_top_k)
+        if method == "loss" and not layout.is_native and head_class(layout.config) is not MoEForCausalLM:
+            raise ShrinkError(f"method='loss' scores by the next-token loss of a causal LM; {src} is a "
+                              f"{head_class(layout.config).__name__}: use method='reconstruction'.")
         if new_top_k < layout.top_k:
             left = f"{keep} expert{'s' if keep > 1 else ''}"
             warnings.warn(f"top-k lowered from {layout.top_k} to {new_top_k}: only {left} left per layer.",
@@ -135,12 +156,15 @@ def shrink(
         result = ShrinkResult(resolve_output_directory(out, "Cannot write the shrunk model to"), layout.kind, method,
                               scope, layout.num_experts, keep, layout.top_k, new_top_k,
                               calibration_tokens=0 if ids is None else ids.numel())
-        run = _Run(layout, keep, method, seed, progress)
+        run = _Run(layout, keep, method, seed, progress, search_candidates)
         with staging_directory(result.path) as staging, ShrunkWriter(layout, staging, keep, max_shard_size) as writer:
             writer.copy_unchanged()
             if scope == "global":
                 run.fixed = _global_choice(run, ids)
-            result.layers = run.apply(writer, ids)
+            if method == "loss":
+                result.layers, result.search = _search_by_loss(run, ids, writer)
+            else:
+                result.layers = run.apply(writer, ids)
             result.seconds = time.perf_counter() - start
             report = result.report()
             if layout.is_native:
@@ -169,12 +193,16 @@ def _check_top_k(layout: MoELayout, top_k: int) -> None:
 class _Run:
     """One pass over the MoE layers: each layer's choice (or, with `collect`, only its statistics)."""
 
-    def __init__(self, layout: MoELayout, keep: int, method: str, seed: int, progress: bool):
+    def __init__(self, layout: MoELayout, keep: int, method: str, seed: int, progress: bool,
+                 search_candidates: int = SEARCH_CANDIDATES):
         self.layout, self.keep, self.method, self.progress = layout, keep, method, progress
+        self.search_candidates = search_candidates
         self.generator = torch.Generator().manual_seed(seed)
         self.seed = seed
         self.dtype = layout.source.float_dtype()  # what the checkpoint stores
         self.fixed: dict | None = None  # global scope: {"kept": [...], "groups": {...}} for every layer
+        self.searched: dict[int, list[int]] = {}  # method loss: each layer's experts, chosen by `search`
+        self.ranked: dict[int, list[Choice]] = {}  # reconstruction's best subsets per layer (method loss: its candidates)
         self.collect = False  # first pass of global scope: statistics only
         self.stats: dict[int, dict] = {}
         self.choices: dict[int, Choice] = {}
@@ -183,7 +211,7 @@ class _Run:
     @property
     def paired(self) -> bool:
         """Whether the forward carries the original model's rows beside the shrunk model's (`_forward`)."""
-        return self.method in ("reconstruction", "merge") and not self.collect
+        return self.method in ("reconstruction", "merge", "loss") and not self.collect
 
     def config_for(self, m: int):
         if m not in self._configs:
@@ -202,7 +230,7 @@ class _Run:
         layout = self.layout
         fixed = self.fixed["kept"] if self.fixed else None
         for layer in tqdm(layout.moe_layers, desc=f"Shrinking ({self.method})", disable=not self.progress):
-            kept = fixed or random_subset(layout.num_experts, self.keep, self.generator)
+            kept = fixed or self.searched.get(layer) or random_subset(layout.num_experts, self.keep, self.generator)
             prefix = layout.memory_prefix(layer)
             router = {k[len(prefix) + 5:]: layout.read(k) for k in self._router_keys(layer)}
             experts = {n: layout.read(f"{prefix}experts.{n}") for n in layout.expert_params}
@@ -283,20 +311,16 @@ class _Run:
         if self.collect:
             self.stats[layer] = self._statistics(block, data, state)
             return None
-        kept_state, kept_params, choice = self._choose(block, data, state, params)
+        kept_state, kept_params, choice = self._choose(layer, block, data, state, params)
         # rounded as the checkpoint stores them: the next layers see what the shrunk model will compute
         kept_state = {k: v.to(self.dtype).float() if v.is_floating_point() else v for k, v in kept_state.items()}
         kept_params = {k: v.to(self.dtype).float() for k, v in kept_params.items()}
         self.choices[layer] = choice
-        writer.write_layer(layer, kept_state, kept_params)
+        if writer is not None:  # method loss writes after its search
+            writer.write_layer(layer, kept_state, kept_params)
         if self.keep == e:
             return None  # every expert kept, in order: the block is unchanged
-        new_state = {k: v for k, v in block.state_dict().items() if not k.startswith(("gate.", "experts."))}
-        new_state.update({f"gate.{k}": v for k, v in kept_state.items()})
-        new_state.update({f"experts.{k}": v for k, v in kept_params.items()})
-        dtypes = {k: v.dtype for k, v in block.state_dict().items()}
-        shrunk = make_block(block, self.config_for(self.keep), {k: v.to(dtypes[k]) for k, v in new_state.items()})
-        kept = shrunk(hidden)
+        kept = replaced_block(block, self.config_for(self.keep), kept_state, kept_params)(hidden)
         kept = kept[0] if isinstance(kept, tuple) else kept
         return kept if original is None else torch.cat([output.chunk(2)[0], kept])
 
@@ -312,7 +336,7 @@ class _Run:
             original = None if original is None else original.index_select(0, sample)
         index, weights, logits = route(block.gate, x)
         data = LayerData(x, logits, index, weights)
-        if self.method in ("reconstruction", "merge"):
+        if self.method in ("reconstruction", "merge", "loss"):
             data.outputs = expert_outputs(block.experts, params, x)
             if original is None:
                 data.routed = combine(data.outputs, index, weights)
@@ -331,8 +355,9 @@ class _Run:
             stats["similarity"] = logit_correlation(data.logits)
         return stats
 
-    def _choose(self, block, data: LayerData, state, params) -> tuple[dict, dict, Choice]:
-        """(router state, expert tensors, the choice) of the kept experts (random never runs the model)."""
+    def _choose(self, layer: int, block, data: LayerData, state, params) -> tuple[dict, dict, Choice]:
+        """(router state, expert tensors, the choice) of the kept experts (random never runs the model); for method
+        loss, reconstruction's choice, with the candidates of the search in `ranked`."""
         e = self.layout.num_experts
         fixed = self.fixed
         if self.method == "merge":
@@ -344,14 +369,52 @@ class _Run:
             return kept_state, kept_params, choice
         if fixed:
             choice = Choice(fixed["kept"])
-        elif self.method == "reconstruction":
-            choice = Reconstruction(block, data, state, self.config_for).best(self.keep)
+        elif self.method in ("reconstruction", "loss"):
+            count = self.search_candidates if self.method == "loss" else 1
+            self.ranked[layer] = Reconstruction(block, data, state, self.config_for).ranked(self.keep, count)
+            choice = self.ranked[layer][0]
         else:
             choice = Choice(frequency_subset(data.usage(), self.keep))
         if fixed and self.method == "reconstruction":
             choice.error = Reconstruction(block, data, state, self.config_for).error(choice.kept)
         index = torch.tensor(choice.kept)
         return select_rows(state, choice.kept, e), {n: t.index_select(0, index) for n, t in params.items()}, choice
+
+
+def _search_by_loss(run: _Run, ids: torch.Tensor, writer: ShrunkWriter) -> tuple[dict[int, Choice], SearchResult]:
+    """Method loss: reconstruction's forward (each layer's candidates, nothing written), the search by the model's
+    loss on the model loaded whole in the checkpoint's dtype (`search`), then each layer read, cut and written."""
+    layout, e = run.layout, run.layout.num_experts
+    run._forward(ids, None)
+    with init_empty_weights(include_buffers=False):
+        model = (head_class(layout.config)(layout.config) if not layout.is_native
+                 else AutoModelForCausalLM.from_config(layout.config))
+    model.tie_weights()  # a tied output head is not on disk: it is the input embedding, once read
+    materialize(model, "", layout.read, run.dtype)
+    model.tie_weights()
+    originals = {}
+    for layer in layout.moe_layers:
+        originals[layer] = model.get_submodule(layout.memory_prefix(layer)[:-1])
+        run._load_buffers(layer)(originals[layer], ())
+    model.eval()
+    config = run.config_for(run.keep)
+
+    def install(layer: int, rows: list[int] | None) -> None:
+        block = originals[layer]
+        if rows is not None:
+            index = torch.tensor(rows)
+            experts = {n: getattr(block.experts, n).detach().index_select(0, index) for n in layout.expert_params}
+            block = replaced_block(block, config, select_rows(router_state(block), rows, e), experts)
+        parent, _, name = layout.memory_prefix(layer)[:-1].rpartition(".")
+        model.get_submodule(parent).register_module(name, block)
+
+    candidates = {layer: [c.kept for c in run.ranked[layer]] for layer in layout.moe_layers}
+    found = LossSearch(model, model.get_submodule(layout.layers_path), install, ids).run(candidates, run.progress)
+    del model, originals
+    run.searched = found.kept
+    run._without_forward(writer)
+    choices = {layer: next(c for c in run.ranked[layer] if c.kept == kept) for layer, kept in found.kept.items()}
+    return choices, found
 
 
 def _global_choice(run: _Run, ids) -> dict:

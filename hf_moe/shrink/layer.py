@@ -120,6 +120,17 @@ def make_block(block: nn.Module, config, state: dict[str, torch.Tensor]) -> nn.M
     return new.eval()
 
 
+def replaced_block(block: nn.Module, config, router: dict[str, torch.Tensor],
+                   experts: dict[str, torch.Tensor]) -> nn.Module:
+    """A block of `block`'s class for `config` (fewer experts) with router state `router` and fused expert tensors
+    `experts` ({name: [m, ...]}), everything else (a shared expert) `block`'s own, each cast to `block`'s dtype."""
+    own = block.state_dict()
+    state = {k: v for k, v in own.items() if not k.startswith((GATE, EXPERTS))}
+    state.update({GATE + k: v for k, v in router.items()})
+    state.update({EXPERTS + k: v for k, v in experts.items()})
+    return make_block(block, config, {k: v.to(own[k].dtype) for k, v in state.items()})
+
+
 def router_state(block: nn.Module) -> dict[str, torch.Tensor]:
     """The router's state (weight [E, H], and an aux_free bias or noisy_topk noise weight where it has one), fp32."""
     return {k: v.detach().float() for k, v in block.gate.state_dict().items()}

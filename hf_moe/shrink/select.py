@@ -15,6 +15,10 @@
                     the held-out loss at 4 of 8 experts from +3.6% to +2.3% (each alone: +3.1% and +3.7%). Every
                     subset is tried when there are at most ENUMERATION_LIMIT of them (all of them for 8 experts);
                     above, greedy backward elimination (drop the expert whose removal costs least, repeatedly).
+    loss            reconstruction's `search_candidates` best subsets of each layer, one chosen by the model's own loss
+                    on the calibration text (search.py): a coordinate search over the layers, after EEP's scoring by
+                    the model's loss rather than by each layer's output. At 2 of 8 experts, the pair that reproduces
+                    a layer best is often not the one that keeps the loss down (docs/shrinking.md).
 
 Global scope (one set of expert ids for every layer: whole expert files drop out of an hf_moe checkpoint, and the
 experts of a merge of fine-tunes are the same model in every layer) is chosen from the original model's statistics
@@ -35,7 +39,7 @@ from .layer import LayerData, combine, make_router, route, select_rows
 
 ENUMERATION_LIMIT = 256  # subsets tried one by one; above, greedy elimination
 TOKEN_FLOOR = 0.01  # a token's squared output norm counts as at least this share of the mean (see Reconstruction)
-METHODS = ("reconstruction", "merge", "frequency", "random")
+METHODS = ("reconstruction", "loss", "merge", "frequency", "random")
 
 
 @dataclass
@@ -104,17 +108,23 @@ class Reconstruction:
         return {s: self.error(list(s)) for s in itertools.combinations(range(e), keep)}
 
     def best(self, keep: int) -> Choice:
+        return self.ranked(keep, 1)[0]
+
+    def ranked(self, keep: int, count: int) -> list[Choice]:
+        """The `count` subsets of `keep` experts with the lowest error, best first: from every subset where they can
+        be tried, else the ends of greedy backward elimination (its last step's drops, best first)."""
         table = self.table(keep)
         if table is not None:
-            subset = min(table, key=lambda s: (table[s], s))
-            return Choice(list(subset), error=table[subset])
+            order = sorted(table, key=lambda s: (table[s], s))[:count]
+            return [Choice(list(s), error=table[s]) for s in order]
         current = list(range(self.data.num_experts))
-        error = 0.0
-        while len(current) > keep:
-            trials = [(self.error([e for e in current if e != j]), j) for j in current]
-            error, drop = min(trials)
-            current.remove(drop)
-        return Choice(current, error=error)
+        if len(current) == keep:
+            return [Choice(current, error=0.0)]
+        while True:
+            trials = sorted((self.error([e for e in current if e != j]), j) for j in current)  # (error, dropped)
+            if len(current) == keep + 1:
+                return [Choice([e for e in current if e != j], error=error) for error, j in trials[:count]]
+            current.remove(trials[0][1])
 
     def removal_costs(self) -> list[float]:
         """[E] error of the layer without each expert alone (the global proxy when subsets are too many)."""
