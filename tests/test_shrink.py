@@ -266,7 +266,7 @@ def _calibration_loss(model, calib, tokenizer) -> float:
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
 
-@pytest.mark.parametrize("kind", ["hf_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["hf_moe", *sorted(NATIVE)])
 def test_the_loss_search_reports_the_loss_of_what_it_writes_and_beats_reconstruction_there(calib, tmp_path, kind):
     """Method loss: each layer keeps one of reconstruction's best subsets, by the model's calibration loss with the
     layers before it replayed from the best evaluation so far. The loss it reports for reconstruction's choice and
@@ -279,7 +279,7 @@ def test_the_loss_search_reports_the_loss_of_what_it_writes_and_beats_reconstruc
         model.save_pretrained(source)
         tiny_tokenizer().save_pretrained(source)
     else:
-        source = _native_dir(tmp_path, "mixtral")
+        source = _native_dir(tmp_path, kind)
     load = MoEForCausalLM.from_pretrained if kind == "hf_moe" else AutoModelForCausalLM.from_pretrained
     tokenizer = tiny_tokenizer()
     rec = hf_moe.shrink(source, tmp_path / "rec", 2, "reconstruction", calib, progress=False)
