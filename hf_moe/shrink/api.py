@@ -39,6 +39,7 @@ from .search import SEARCH_CANDIDATES, LossSearch, SearchResult
 from .select import METHODS, Choice, Reconstruction, frequency_subset, global_subset, random_subset
 
 SCOPES = ("layer", "global")
+RECONSTRUCTING = ("reconstruction", "merge", "loss")  # methods that need every expert's output and the target
 SEARCH_BYTES = 768 << 20  # every expert's output on the tokens a layer's search uses: at most this much (fp32)
 
 
@@ -211,7 +212,7 @@ class _Run:
     @property
     def paired(self) -> bool:
         """Whether the forward carries the original model's rows beside the shrunk model's (`_forward`)."""
-        return self.method in ("reconstruction", "merge", "loss") and not self.collect
+        return self.method in RECONSTRUCTING and not self.collect
 
     def config_for(self, m: int):
         if m not in self._configs:
@@ -253,10 +254,7 @@ class _Run:
         tokens = ids.numel()
         if self.paired:  # rows [:B] carry the original model, rows [B:] the shrunk one
             ids = torch.cat([ids, ids])
-        with init_empty_weights(include_buffers=False):
-            model = (head_class(layout.config)(layout.config) if not layout.is_native
-                     else AutoModelForCausalLM.from_config(layout.config))
-        model.eval()
+        model = _empty_model(layout).eval()
         bar = tqdm(total=len(layout.moe_layers), disable=not self.progress,
                    desc=f"{'Scoring' if self.collect else 'Shrinking'} ({self.method}, {tokens} tokens)")
         handles = []
@@ -336,7 +334,7 @@ class _Run:
             original = None if original is None else original.index_select(0, sample)
         index, weights, logits = route(block.gate, x)
         data = LayerData(x, logits, index, weights)
-        if self.method in ("reconstruction", "merge", "loss"):
+        if self.method in RECONSTRUCTING:
             data.outputs = expert_outputs(block.experts, params, x)
             if original is None:
                 data.routed = combine(data.outputs, index, weights)
@@ -381,14 +379,20 @@ class _Run:
         return select_rows(state, choice.kept, e), {n: t.index_select(0, index) for n, t in params.items()}, choice
 
 
+def _empty_model(layout: MoELayout):
+    """The checkpoint's model with its parameters on the meta device (buffers real): hf_moe's head or the native
+    family's causal LM."""
+    with init_empty_weights(include_buffers=False):
+        return (head_class(layout.config)(layout.config) if not layout.is_native
+                else AutoModelForCausalLM.from_config(layout.config))
+
+
 def _search_by_loss(run: _Run, ids: torch.Tensor, writer: ShrunkWriter) -> tuple[dict[int, Choice], SearchResult]:
     """Method loss: reconstruction's forward (each layer's candidates, nothing written), the search by the model's
     loss on the model loaded whole in the checkpoint's dtype (`search`), then each layer read, cut and written."""
     layout, e = run.layout, run.layout.num_experts
     run._forward(ids, None)
-    with init_empty_weights(include_buffers=False):
-        model = (head_class(layout.config)(layout.config) if not layout.is_native
-                 else AutoModelForCausalLM.from_config(layout.config))
+    model = _empty_model(layout)
     model.tie_weights()  # a tied output head is not on disk: it is the input embedding, once read
     materialize(model, "", layout.read, run.dtype)
     model.tie_weights()
