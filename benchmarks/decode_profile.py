@@ -13,7 +13,9 @@ alike). Modes:
     cpp_wrapper    the same with inductor's C++ wrapper (the kernels called from one C++ function)
     freezing       weights folded into the graph as constants and prepacked for oneDNN
     max_autotune   freezing, plus inductor's CPU GEMM templates (benchmarked against ATen's at compile time)
-    fused          hf_moe's fused decode step (hf_moe.decode), hf_moe's default options (the C++ wrapper)
+    fused          hf_moe's fused decode step (hf_moe.decode): one call of hf_moe::decode_step where the model
+                   allows it (hf_moe.decode_native), else compiled with hf_moe's default options (the C++ wrapper)
+    fused_compiled the fused step compiled, where fused would be one op call (native=False)
     fused_python   the fused step with inductor's Python wrapper
     fused_checked  the fused step with Dynamo's guards checked on every step (fused: on the first step only);
                    with fused in the same run, the same compiled program
@@ -112,7 +114,8 @@ class Mode:
         settings = MODES[self.name]
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
         if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
-            step = FusedDecodeStep(self.model, options, None, settings.get("skip_guards", True))
+            step = FusedDecodeStep(self.model, options, None, settings.get("skip_guards", True),
+                                   settings.get("native", True))
             step.compiled = self.programs.setdefault(repr(sorted((options or {}).items())), step.compiled)
             return lambda: step(input_ids=self.token, position_ids=self._positions(),
                                 attention_mask=self._mask()[:, None, None], **self.cache_kwargs).logits

@@ -10,6 +10,11 @@ experts run `hf_moe::moe_experts_infer`, or a dense MLP), the final norm and the
 when it is int8 or a decode-sized product). The step is compiled with `torch.compile(fullgraph=True, dynamic=False)`
 (and the inductor options of `hf_moe.generation.DECODE_OPTIONS`), so no Python runs between its kernels.
 
+Where every layer is one its kernels compute with nothing around them (an hf_moe MoE block with the plain top-k
+router: `hf_moe.decode_native.native_unsupported`), the step is not compiled at all: it is one call of
+`hf_moe::decode_step`, which runs the same kernels layer by layer in C++ (hf_moe/decode_native.py; 1.1x the compiled
+step's speed on the quickstart's model, and no compilation on the first call).
+
 It is what `MoEForCausalLM.generate` runs for each decoded token when a static cache is asked for
 (`cache_implementation="static"`, see hf_moe.generation), where the model allows it (`unsupported`): CPU, fp32 or
 bf16, the compiled extension loaded, and decoder layers of a family that shares Llama's (LlamaDecoderLayer,
@@ -25,6 +30,8 @@ import torch
 from torch import nn
 
 from .compat import CACHE_NAME, skipping_guards, static_cache_layers
+from .decode_native import NativeDecodeStep, native_unsupported
+from .huge_pages import back_with_huge_pages
 from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .ops import backend_setting, load_extension
 
@@ -110,7 +117,10 @@ def _decode_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 class FusedDecodeStep:
     """The decode step of `model` (a callable taking `forward`'s keyword arguments), fused where the call is one
-    token on an initialised static cache, and `fallback()`'s call (transformers' compiled forward) otherwise.
+    token on an initialised static cache, and `fallback()`'s call (transformers' compiled forward) otherwise. With
+    `native` (the default), a fused call of a model `hf_moe.decode_native` serves is one op call instead of the
+    compiled program (`NativeDecodeStep`, made again at each `generate` call). With `huge_pages` (the default), each
+    call's first fused step asks for the model's weights on transparent huge pages (`_prepare`).
 
     Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=options)`), once per batch
     size and cache length, as transformers' own compiled step.
@@ -123,16 +133,33 @@ class FusedDecodeStep:
     `MoEForCausalLM.generate` calls `reset` first, so a model changed between calls (quantized, its modules
     replaced) is checked, and compiled for again."""
 
-    def __init__(self, model, options: dict | None, fallback, skip_guards: bool = True):
+    def __init__(self, model, options: dict | None, fallback, skip_guards: bool = True, native: bool = True,
+                 huge_pages: bool = True):
         self.model = model
         self.fallback = fallback
         self.skip_guards = skip_guards
         self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options or None)
         self.trusted = None  # the (cache, shapes) whose step passed every guard in this generate call; None: none
+        self.native_allowed, self.huge_pages = native, huge_pages
+        self.native: NativeDecodeStep | None | bool = False  # False: not yet decided for this generate call
+        self.huge_page_bytes = 0  # of the model's weights the kernel put on huge pages at the last call's start
 
     def reset(self) -> None:
-        """A new `generate` call: its first step evaluates every guard again."""
+        """A new `generate` call: its first step evaluates every guard again, and the one-op step
+        (`hf_moe.decode_native`) reads the model again."""
         self.trusted = None
+        self.native = False
+
+    def _prepare(self) -> NativeDecodeStep | None:
+        """At the first fused call of each `generate` call: the model's weights asked onto transparent huge pages
+        (`hf_moe.huge_pages`: the step streams them; the first time about a second per GiB, milliseconds after),
+        and the one-op step of the model as it is now, returned, or None where `native_unsupported` says why not."""
+        if self.native is False:
+            if self.huge_pages:
+                self.huge_page_bytes = back_with_huge_pages([*self.model.parameters(), *self.model.buffers()])
+            self.native = (NativeDecodeStep(self.model) if self.native_allowed
+                           and native_unsupported(self.model) is None else None)
+        return self.native
 
     def handles(self, kwargs: dict, layers: list | None) -> bool:
         """Whether the call (forward's keyword arguments; `layers`: `static_cache_layers` of its cache) is one the
@@ -157,6 +184,9 @@ class FusedDecodeStep:
             return self.fallback()(**kwargs)
         mask = _full_attention_mask(kwargs.get("attention_mask"))
         args = (kwargs["input_ids"], kwargs["position_ids"], mask, layers)
+        native = self._prepare()
+        if native is not None and native.runs(args[0].shape[0]):  # the whole step in one op, nothing compiled
+            return self.model.output_class(logits=native(*args), **{CACHE_NAME: kwargs[CACHE_NAME]})
         key = (id(layers[0][0]), len(layers), tuple(kwargs["input_ids"].shape), None if mask is None else mask.shape)
         if self.skip_guards and key == self.trusted:  # a later step of this call, on its first step's cache
             with skipping_guards():
@@ -191,9 +221,12 @@ class FusedDecodeStep:
         return _decode_linear(hidden, self.model.lm_head)[:, None]  # [B, 1, V]
 
 
-def fused_decode_step(model, options: dict | None, fallback, skip_guards: bool = True) -> FusedDecodeStep | None:
+def fused_decode_step(model, options: dict | None, fallback, skip_guards: bool = True, native: bool = True,
+                      huge_pages: bool = True) -> FusedDecodeStep | None:
     """The fused step of `model`, or None where `unsupported(model)` says why not."""
-    return None if unsupported(model) is not None else FusedDecodeStep(model, options, fallback, skip_guards)
+    if unsupported(model) is not None:
+        return None
+    return FusedDecodeStep(model, options, fallback, skip_guards, native, huge_pages)
 
 
 def decode_step(model, config, fallback) -> FusedDecodeStep | None:
@@ -202,7 +235,8 @@ def decode_step(model, config, fallback) -> FusedDecodeStep | None:
     steps = model.__dict__.setdefault("_hf_moe_decode_steps", [])
     step = next((step for known, step in steps if known == config), False)
     if step is False:
-        step = fused_decode_step(model, config.options, fallback, getattr(config, "skip_guards", True))
+        step = fused_decode_step(model, config.options, fallback, getattr(config, "skip_guards", True),
+                                 getattr(config, "native", True), getattr(config, "huge_pages", True))
         steps.append((config, step))
     return step
 

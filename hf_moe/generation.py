@@ -48,17 +48,23 @@ class DecodeCompileConfig(CompileConfig):
     """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
     where its architecture allows, compiled with the same settings, and `skip_guards`: the fused step checks
     Dynamo's guards on the first step of each `generate` call only. Dynamo's stance is process-wide, so a server
-    that runs compiled code from several threads at once sets `skip_guards=False`. transformers' own models ignore
-    both."""
+    that runs compiled code from several threads at once sets `skip_guards=False`; and `native`: where the model
+    allows it, the fused step is one call of `hf_moe::decode_step` and nothing is compiled (hf_moe.decode_native;
+    `native=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
+    transparent huge pages (hf_moe.huge_pages). transformers' own models ignore all four."""
 
     fused: bool = True
     skip_guards: bool = True
+    native: bool = True
+    huge_pages: bool = True
 
     def to_dict(self) -> dict:
         """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
         config = super().to_dict()
         config.pop("fused", None)
         config.pop("skip_guards", None)
+        config.pop("native", None)
+        config.pop("huge_pages", None)
         if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
             config.pop("mode", None)
         else:
@@ -66,16 +72,17 @@ class DecodeCompileConfig(CompileConfig):
         return config
 
 
-def decode_compile_config(fused: bool = True, options: dict | None = None,
-                          skip_guards: bool = True) -> DecodeCompileConfig:
+def decode_compile_config(fused: bool = True, options: dict | None = None, skip_guards: bool = True,
+                          native: bool = True, huge_pages: bool = True) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
     `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
-    `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`
+    `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`, and as one
+    op call where the model allows it unless `native=False`, its weights on huge pages unless `huge_pages=False`
     (`DecodeCompileConfig`). mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
     on CPU."""
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
                                  options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
-                                 skip_guards=skip_guards)
+                                 skip_guards=skip_guards, native=native, huge_pages=huge_pages)
     return compile_on_every_device(config)
 
 

@@ -30,6 +30,11 @@ def converted(seed: int = 0):
     return hf_moe.convert_to_moe(tiny_dense(seed=seed), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
 
 
+# The compiled fused step (hf_moe.decode), where the one-op step (hf_moe.decode_native, tests/test_decode_native.py)
+# would otherwise run and compile nothing: the tests of compilation itself use it.
+COMPILED = {"cache_implementation": "static", "compile_config": decode_compile_config(native=False)}
+
+
 def greedy(model, ids, new_tokens, **kwargs):
     mask = torch.ones_like(ids)
     return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
@@ -112,13 +117,13 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
     with torch.compiler.set_stance("force_eager"):
         eager = [greedy(moe, ids, n) for ids, n in calls]
     with RecompileLog() as log:
-        fast = [greedy(moe, *calls[0], cache_implementation="static")]  # compiles, then reuses for every step
+        fast = [greedy(moe, *calls[0], **COMPILED)]  # compiles, then reuses for every step
         assert moe._hf_moe_decode_steps[0][1] is not None  # the auto-compile ran on CPU, with hf_moe's fused step
         with torch.compiler.set_stance("fail_on_recompile"):  # from here on, any compilation raises
-            fast += [greedy(moe, ids, n, cache_implementation="static") for ids, n in calls[1:]]
+            fast += [greedy(moe, ids, n, **COMPILED) for ids, n in calls[1:]]
             generate = pipeline("text-generation", model=moe, tokenizer=tokenizer)
-            piped = generate("the fox", max_new_tokens=5, do_sample=False, cache_implementation="static",
-                             return_full_text=False)[0]["generated_text"]
+            piped = generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False,
+                             **COMPILED)[0]["generated_text"]
     assert not log.recompiled, "\n".join(log.lines)
     for (ids, n), a, b in zip(calls, eager, fast):
         assert torch.equal(a.sequences, b.sequences)
@@ -135,12 +140,12 @@ def test_a_longer_call_compiles_once_for_the_next_power_of_two():
     after it, shorter ones included, reuses that graph."""
     torch.compiler.reset()
     moe = converted()
-    greedy(moe, random_ids(1, 10, seed=9), 3, cache_implementation="static")  # compiles for 256 positions
+    greedy(moe, random_ids(1, 10, seed=9), 3, **COMPILED)  # compiles for 256 positions
     with RecompileLog() as log:
-        long = greedy(moe, random_ids(1, 250, seed=10), 10, cache_implementation="static")
+        long = greedy(moe, random_ids(1, 250, seed=10), 10, **COMPILED)
     assert log.recompiled and long.past_key_values.layers[0].keys.shape[2] == 512
     with RecompileLog() as log, torch.compiler.set_stance("fail_on_recompile"):
-        short = greedy(moe, random_ids(1, 10, seed=11), 3, cache_implementation="static")
+        short = greedy(moe, random_ids(1, 10, seed=11), 3, **COMPILED)
     assert not log.recompiled and short.past_key_values.layers[0].keys.shape[2] == 512
 
 
@@ -152,8 +157,8 @@ def test_bf16_model_decodes_compiled():
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 5)
     with RecompileLog() as log:
-        fast = greedy(moe, ids, 5, cache_implementation="static")
-        again = greedy(moe, random_ids(1, 7, seed=5), 5, cache_implementation="static")
+        fast = greedy(moe, ids, 5, **COMPILED)
+        again = greedy(moe, random_ids(1, 7, seed=5), 5, **COMPILED)
     assert not log.recompiled, "\n".join(log.lines)
     assert again.sequences.shape == (1, 12)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
@@ -309,16 +314,19 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
 
 
 @pytest.mark.slow
-def test_int8_linears_decode_fused_with_the_eager_int8_tokens():
+@pytest.mark.parametrize("native", [False, True], ids=["compiled", "one_op"])
+def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native):
     """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; the fused step
-    runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens."""
+    runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens,
+    compiled and as one op (hf_moe.decode_native)."""
     torch.compiler.reset()
     moe = converted().to(torch.bfloat16)
     hf_moe.quantize_experts(moe, "int8", linears=True)
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 6)
-    fast = greedy(moe, ids, 6, cache_implementation="static")
+    fast = greedy(moe, ids, 6, cache_implementation="static", compile_config=decode_compile_config(native=native))
+    assert (moe._hf_moe_decode_steps[0][1].native is not None) == native
     assert moe._hf_moe_decode_steps[0][1] is not None
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
@@ -345,7 +353,7 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     moe = converted().to(torch.bfloat16)
     ids = random_ids(1, 10, seed=4)
     cache = StaticCache(config=moe.config, max_cache_len=64)
-    reused = {CACHE_NAME: cache, "compile_config": decode_compile_config()}
+    reused = {CACHE_NAME: cache, "compile_config": decode_compile_config(native=False)}
     greedy(moe, ids, 5, **reused)
     assert len(skipped) == 3  # 5 tokens: the prefill's, then 4 decode steps, the first of them checked
     hf_moe.quantize_experts(moe, "int8", linears=True)  # new modules: the bf16 graph no longer fits
@@ -356,7 +364,7 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     assert len(skipped) == 3 + 4
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
-    checked = greedy(moe, ids, 6, compile_config=decode_compile_config(skip_guards=False),
+    checked = greedy(moe, ids, 6, compile_config=decode_compile_config(skip_guards=False, native=False),
                      cache_implementation="static")  # (servers that run compiled code from several threads)
     assert len(skipped) == 3 + 4 and torch.equal(checked.sequences, eager.sequences)
 

@@ -31,6 +31,7 @@
 
 #include "../hf_moe.h"
 #include "decode_kernels.h"
+#include "decode_ops.h"
 #include "serve_kernels.h"
 
 namespace hf_moe {
@@ -158,6 +159,8 @@ int threads_for(int64_t tasks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------------------------
 // hf_moe::linear_infer
 // ---------------------------------------------------------------------------------------------------------------
@@ -205,6 +208,8 @@ at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const
   return out;
 }
 
+namespace {
+
 // ---------------------------------------------------------------------------------------------------------------
 // hf_moe::decode_attention_block
 // ---------------------------------------------------------------------------------------------------------------
@@ -246,6 +251,8 @@ void attend_chunk(const Kernels& kn, const AttentionKernels& ak, bool bf16, cons
     else ak.accumulate_f32(s, len, static_cast<const float*>(values) + j0 * d, d, d, acc);
   }
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
     const at::Tensor& hidden, const at::Tensor& input_norm, double eps, const at::Tensor& wq,
@@ -343,6 +350,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
   const void* sin_p = sin.data_ptr();
   void* kc = k_cache.data_ptr();
   void* vc = v_cache.data_ptr();
+  void* out_h = out_hidden.data_ptr();
+  void* out_n = out_normed.data_ptr();
   const size_t elt = val.bf16 ? 2 : 4;
 
 #pragma omp parallel num_threads(threads)
@@ -454,21 +463,19 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
       for (int64_t b = 0; b < b_rows; ++b)
         for (int64_t j = 0; j < rows; ++j) {
           const int64_t i = b * h + r0 + j;
-          val.store(out_hidden.data_ptr(), i, val.load(hid, i) + val.round(scratch[b * kRowBlock + j]));
+          val.store(out_h, i, val.load(hid, i) + val.round(scratch[b * kRowBlock + j]));
         }
     }
     // 7. The MLP's input: RMSNorm of the new hidden state.
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < b_rows; ++b) {
-      for (int64_t i = 0; i < h; ++i) row[i] = val.load(out_hidden.data_ptr(), b * h + i);
+      for (int64_t i = 0; i < h; ++i) row[i] = val.load(out_h, b * h + i);
       rms_norm(val, row.data(), h, post_norm.data_ptr(), static_cast<float>(post_eps), row.data());
-      for (int64_t i = 0; i < h; ++i) val.store(out_normed.data_ptr(), b * h + i, row[i]);
+      for (int64_t i = 0; i < h; ++i) val.store(out_n, b * h + i, row[i]);
     }
   }
   return {out_hidden, out_normed};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(hf_moe, CPU, m) {
   m.impl("linear_infer", &linear_infer_cpu);

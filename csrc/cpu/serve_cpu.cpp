@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "../hf_moe.h"
+#include "decode_ops.h"
 #include "serve_kernels.h"
 
 namespace hf_moe {
@@ -354,6 +355,8 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
   }
 }
 
+}  // namespace
+
 at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
                                  const at::Tensor& top_k_weights, const at::Tensor& w1,
                                  const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& b1,
@@ -415,6 +418,8 @@ at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tens
   else run<float>(kn, x, offsets, row_token, row_weight, w1, w1_scale, b1, w2, w2_scale, b2, act, glu, out);
   return out;
 }
+
+namespace {
 
 std::string serve_isa_cpu() { return serve::serve_kernels("auto").isa; }
 

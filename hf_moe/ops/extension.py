@@ -41,7 +41,7 @@ _HERE = Path(__file__).resolve()
 CSRC = _HERE.parents[2] / "csrc" if (_HERE.parents[2] / "csrc" / "ops.cpp").is_file() else _HERE.parents[1] / "csrc"
 CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp",
                "cpu/serve_cpu.cpp", "cpu/serve_kernels.cpp", "cpu/serve_kernels_q8.cpp", "cpu/decode_cpu.cpp",
-               "cpu/decode_kernels.cpp"]
+               "cpu/decode_kernels.cpp", "cpu/decode_step_cpu.cpp"]
 HEADERS = ["hf_moe.h", "cpu/activation_cpu.h", "cpu/serve_kernels.h", "cpu/serve_kernels_q8.h", "cpu/serve_tile.h",
            "cpu/simd_avx512.h", "cpu/decode_kernels.h"]
 CXX_FLAGS = ["-O3", "-fopenmp"]
