@@ -139,8 +139,9 @@ def _parser() -> argparse.ArgumentParser:
                           "MLPs and the LM head too; a checkpoint saved with save_quantized is loaded as int8 "
                           "without it")
     generate.add_argument("--cache-implementation", choices=["dynamic", "static"], default="dynamic",
-                          help="static: a static KV cache, and the decode step compiled once (pays off over many "
-                          "tokens: the first call compiles; docs/serving-cpu.md)")
+                          help="static: a static KV cache and the fast decode step: one op call for hf_moe "
+                          "Llama-layer models with top-k MoE blocks, else compiled once (the first call compiles); "
+                          "docs/serving-cpu.md")
     plan = sub.add_parser("plan", help="memory per GPU of the expert-parallel x FSDP2 layouts: will it fit?")
     plan.add_argument("model", metavar="MODEL_OR_CONFIG", help="a saved model directory, a config.json, or a Hub id; "
                       "an hf_moe model, or a dense one with --num-experts and --top-k (planned as if upcycled)")

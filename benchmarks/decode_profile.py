@@ -16,9 +16,9 @@ alike). Modes:
     fused          hf_moe's fused decode step (hf_moe.decode): one call of hf_moe::decode_step where the model
                    allows it (hf_moe.decode_native), else compiled with hf_moe's default options (the C++ wrapper)
     fused_compiled the fused step compiled, where fused would be one op call (native=False)
-    fused_python   the fused step with inductor's Python wrapper
-    fused_checked  the fused step with Dynamo's guards checked on every step (fused: on the first step only);
-                   with fused in the same run, the same compiled program
+    fused_python   the compiled fused step with inductor's Python wrapper
+    fused_checked  the compiled fused step with Dynamo's guards checked on every step (fused_compiled: on the first
+                   step only); with fused_compiled in the same run, the same compiled program
     aoti           the fused step exported (torch.export) and compiled ahead of time by AOTInductor into a package,
                    loaded and run from C++ (torch._inductor.aoti_load_package)
 
@@ -83,8 +83,9 @@ class Mode:
     """One way of running decode steps, on a cache of its own."""
 
     def __init__(self, name: str, model, prompt: torch.Tensor, cache_len: int, programs: dict | None = None):
-        """`programs`: {inductor options: compiled fused step}, shared by the fused modes of a run, so that fused and
-        fused_checked run one compiled program (one Dynamo cache entry) and differ only in the guards checked."""
+        """`programs`: {inductor options: compiled fused step}, shared by the fused modes of a run, so that
+        fused_compiled and fused_checked run one compiled program (one Dynamo cache entry) and differ only in the
+        guards checked."""
         from transformers import DynamicCache, StaticCache
 
         from hf_moe.compat import cache_kwargs, static_cache_layers

@@ -25,9 +25,9 @@ Commands (each generate/nll on a fresh cache):
                            model allows it (hf_moe.decode_native), else compiled with hf_moe's default options (the
                            C++ wrapper); transformers' own models ignore `fused` and run `cpp_wrapper`
              fused_compiled the fused step compiled (`native=False`), where fused would be one op call
-             fused_python  the fused step with inductor's Python wrapper
-             fused_checked the fused step with Dynamo's guards checked on every step (`skip_guards=False`; the
-                           fused step checks them on each call's first step only)
+             fused_python  the compiled fused step with inductor's Python wrapper
+             fused_checked the compiled fused step with Dynamo's guards checked on every step (`skip_guards=False`;
+                           fused_compiled checks them on each call's first step only)
     {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
     {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
 """
@@ -54,8 +54,8 @@ MODES = {
                                                "max_autotune_gemm_backends": "CPP,ATEN"}),
     "fused": dict(fused=True),
     "fused_compiled": dict(fused=True, native=False),
-    "fused_python": dict(fused=True, options={}),
-    "fused_checked": dict(fused=True, skip_guards=False),
+    "fused_python": dict(fused=True, options={}, native=False),
+    "fused_checked": dict(fused=True, skip_guards=False, native=False),
 }
 
 

@@ -6,7 +6,8 @@ dozen small kernels, allocations and dispatcher calls between the attention sub-
 cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo. On the quickstart's
 model that was a sixth of a 22 ms step, on the main thread alone, while the other thread waited (perf, docs/serving-
 cpu.md). `NativeDecodeStep` calls one op instead, which runs the same kernels layer by layer in C++, and needs no
-compilation (the compiled step's first call took 80 to 90 s).
+compilation (the compiled step's first call took 80 to 100 s with inductor's cache cold). Interleaved with the
+compiled step in one process, it took 0.90x its time in bf16 and 0.84x in int8 (docs/serving-cpu.md).
 
 It runs where `native_unsupported(model)` is None: what `hf_moe.decode.unsupported` allows, and besides
 
@@ -19,8 +20,10 @@ It runs where `native_unsupported(model)` is None: what `hf_moe.decode.unsupport
 
 `runs(batch)` adds what depends on the call: no routing being recorded, and (bf16 experts) a batch the experts'
 kernel takes in eager mode too (`hf_moe.ops.infer.MAX_TOKENS`). Everywhere else the fused step runs its compiled
-program, as before. The greedy tokens are the eager model's (tests/test_decode_native.py): the router calls ATen's
-own kernels, as the eager router does, and every other kernel is the compiled step's.
+program, as before. The router calls ATen's own kernels, as the eager router does, and every other kernel is the
+compiled step's, so the scores differ from the eager model's by the same bf16 roundings as the compiled step's; the
+tests (tests/test_decode_native.py) check the eager greedy tokens, where a near-tie of bf16 logits could go either
+way for either step.
 """
 
 from __future__ import annotations
