@@ -145,8 +145,9 @@ class FusedDecodeStep:
         self.huge_page_bytes = 0  # of the model's weights the kernel put on huge pages at the last call's start
 
     def reset(self) -> None:
-        """A new `generate` call: its first step evaluates every guard again, and the one-op step
-        (`hf_moe.decode_native`) reads the model again."""
+        """A `generate` call begins or ends: the next call's first step evaluates every guard again, and the one-op
+        step (`hf_moe.decode_native`) is dropped, with its references to the weights, and made again from the model
+        as it is then."""
         self.trusted = None
         self.native = False
 

@@ -465,12 +465,15 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
         the decode step is compiled once, on CPU too (`hf_moe.generation`)."""
         kwargs = prepare_generate_kwargs(self, args, kwargs)
         reset_decode_steps(self)  # the call's first step checks every guard (the model may have changed since)
-        if getattr(self, "expert_parallel_plan", None) is not None:
-            call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
-            if call.arguments.get("synced_gpus") is None:
-                call.arguments["synced_gpus"] = torch.distributed.get_world_size() > 1
-                return super().generate(*call.args, **call.kwargs)
-        return super().generate(*args, **kwargs)
+        try:
+            if getattr(self, "expert_parallel_plan", None) is not None:
+                call = inspect.signature(super().generate).bind_partial(*args, **kwargs)
+                if call.arguments.get("synced_gpus") is None:
+                    call.arguments["synced_gpus"] = torch.distributed.get_world_size() > 1
+                    return super().generate(*call.args, **call.kwargs)
+            return super().generate(*args, **kwargs)
+        finally:  # the one-op step's references to the weights end with the call (a model quantized next frees them)
+            reset_decode_steps(self)
 
 
 class MoEForSequenceClassification(MoEPreTrainedModel):

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, Genera
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import hf_moe
+from hf_moe.decode_native import NativeDecodeStep as native_step
 from hf_moe.generation import (
     MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
 )
@@ -315,7 +316,7 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
 
 @pytest.mark.slow
 @pytest.mark.parametrize("native", [False, True], ids=["compiled", "one_op"])
-def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native):
+def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native, monkeypatch):
     """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; the fused step
     runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens,
     compiled and as one op (hf_moe.decode_native)."""
@@ -325,8 +326,12 @@ def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native):
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 6)
+    from hf_moe import decode
+
+    made = []
+    monkeypatch.setattr(decode, "NativeDecodeStep", lambda model: made.append(model) or native_step(model))
     fast = greedy(moe, ids, 6, cache_implementation="static", compile_config=decode_compile_config(native=native))
-    assert (moe._hf_moe_decode_steps[0][1].native is not None) == native
+    assert moe._hf_moe_decode_steps[0][1] is not None and len(made) == native
     assert moe._hf_moe_decode_steps[0][1] is not None
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)

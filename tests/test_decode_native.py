@@ -43,6 +43,27 @@ def greedy(model, ids, new_tokens, mask=None, **kwargs):
                           output_scores=True, **kwargs)
 
 
+@pytest.fixture
+def plans(monkeypatch):
+    """Every one-op step the fused step makes (one per generate call), each counting its calls."""
+    import hf_moe.decode
+
+    made = []
+
+    class Recording(NativeDecodeStep):
+        def __init__(self, model):
+            super().__init__(model)
+            self.calls = 0
+            made.append(self)
+
+        def __call__(self, *args):
+            self.calls += 1
+            return super().__call__(*args)
+
+    monkeypatch.setattr(hf_moe.decode, "NativeDecodeStep", Recording)
+    return made
+
+
 def one_op_step(model):
     """The fused step `generate` will use, with its compiled program replaced by one that fails: only the one-op
     step may run."""
@@ -72,20 +93,21 @@ def test_the_one_op_step_runs_where_every_layer_allows_it_and_says_why_not_elsew
 
 @pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
                                            ("qwen2", torch.bfloat16), ("qwen3", torch.float32)])
-def test_the_one_op_step_gives_the_eager_tokens_and_compiles_nothing(family, dtype):
+def test_the_one_op_step_gives_the_eager_tokens_and_compiles_nothing(family, dtype, plans):
     moe = converted(family).to(dtype)
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 6)
     step = one_op_step(moe)
     fast = greedy(moe, ids, 6, cache_implementation="static")
-    assert isinstance(step.native, NativeDecodeStep)
+    assert len(plans) == 1 and plans[0].calls == 5  # every decode step (the first token is the prefill's)
+    assert step.native is False  # dropped with the call: it holds no weights between calls
     assert torch.equal(eager.sequences, fast.sequences)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), **tolerance)
 
 
-def test_a_padded_batch_and_a_model_quantized_between_calls():
+def test_a_padded_batch_and_a_model_quantized_between_calls(plans):
     """Rows of a left-padded batch attend to their own positions (the mask, and each row's position ids for the
     rotary table); a model quantized between two calls is read again at the second call."""
     moe = converted("qwen3").to(torch.bfloat16)
@@ -98,12 +120,12 @@ def test_a_padded_batch_and_a_model_quantized_between_calls():
     fast = greedy(moe, ids, 5, mask=mask, cache_implementation="static")
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
-    bf16_plan = step.native
     hf_moe.quantize_experts(moe, "int8", linears=True)
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 5, mask=mask)
     fast = greedy(moe, ids, 5, mask=mask, cache_implementation="static")
-    assert step.native is not bf16_plan and step.native.max_batch is None  # int8 experts: any batch
+    assert len(plans) == 2 and plans[0].max_batch == 32 and plans[1].max_batch is None  # int8 experts: any batch
+    assert all(plan.calls == 4 for plan in plans)
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
 
