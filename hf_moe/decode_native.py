@@ -36,7 +36,7 @@ from .layers.quantized import QuantizedExperts
 from .layers.quantized_linear import linear_weights
 from .layers.router import TopKRouter
 from .ops import backend_setting, infer, load_extension, reference
-from .ops.backend import _activation_of, kernel_activation
+from .ops.backend import _activation_of, expert_weights, kernel_activation
 
 # Rope types whose cos/sin depend on the position alone (transformers' dynamic and longrope types change with the
 # sequence's length).
@@ -44,27 +44,22 @@ ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 SLOTS = 23  # tensors per layer in the op's `layers` (csrc/cpu/decode_step_cpu.cpp, enum Slot)
 
 
-def _experts_args(experts) -> tuple | None:
+def _experts_args(experts, dtype: torch.dtype) -> tuple | None:
     """(w1, w1_scale, b1, w2, w2_scale, b2, activation, glu) as the eager experts pass them to
-    `hf_moe::moe_experts_infer`, or None where the eager experts would run another kernel."""
+    `hf_moe::moe_experts_infer` for activations of `dtype`, or None where the eager experts would run another
+    kernel."""
     if type(experts) is QuantizedExperts:
-        activation = kernel_activation(experts.activation)
-        up = experts.up_name
-        return (getattr(experts, up), getattr(experts, f"{up}_scale"), getattr(experts, f"{up}_bias"),
-                experts.down_proj, experts.down_proj_scale, experts.down_proj_bias, activation, experts.has_gate)
+        return experts.kernel_args(dtype)
     if type(experts) is not Experts or experts.num_local_experts != experts.num_experts:
         return None
-    activation = kernel_activation(_activation_of(experts))
-    if experts.has_gate:
-        w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
-    else:
-        w1, b1 = experts.up_proj, getattr(experts, "up_proj_bias", None)
+    w1, b1, w2, b2 = expert_weights(experts)
     if w1.dtype not in infer.MAX_TOKENS or infer.kernel_isa() != "avx512_bf16":
         return None
-    return w1, None, b1, experts.down_proj, None, getattr(experts, "down_proj_bias", None), activation, experts.has_gate
+    return w1, None, b1, w2, None, b2, kernel_activation(_activation_of(experts)), experts.has_gate
 
 
-def _block_reason(i: int, block) -> str | None:
+def _block_reason(i: int, block, args: tuple | None) -> str | None:
+    """Why layer i's MLP `block` (its experts' `_experts_args`: `args`) is not one the op computes, or None."""
     if type(block) is not SparseMoeBlock:
         return f"layer {i}'s MLP is a {type(block).__name__}, not an hf_moe SparseMoeBlock"
     gate = block.gate
@@ -72,7 +67,6 @@ def _block_reason(i: int, block) -> str | None:
         return f"layer {i}'s router is not a plain top-k router ({gate.extra_repr()})"
     if block.shared_experts is not None or block.bias is not None or (block.dropout is not None and block.training):
         return f"layer {i}'s MoE block has shared experts, an output bias or dropout"
-    args = _experts_args(block.experts)
     if args is None or args[6] not in reference.KERNEL_ACTIVATIONS:
         return f"layer {i}'s experts ({type(block.experts).__name__}) do not run the compiled inference kernel"
     return None
@@ -86,12 +80,13 @@ def native_unsupported(model) -> str | None:
     backbone = model.model
     if getattr(backbone.rotary_emb, "rope_type", None) not in ROPE_TYPES:
         return f"its rotary embedding ({getattr(backbone.rotary_emb, 'rope_type', None)}) is not one of {ROPE_TYPES}"
-    shared = set()
+    shared, dtype = set(), backbone.embed_tokens.weight.dtype
     for i, layer in enumerate(backbone.layers):
-        reason = _block_reason(i, layer.mlp)
+        args = _experts_args(getattr(layer.mlp, "experts", None), dtype)
+        reason = _block_reason(i, layer.mlp, args)
         if reason is not None:
             return reason
-        gate, args = layer.mlp.gate, _experts_args(layer.mlp.experts)
+        gate = layer.mlp.gate
         shared.add((gate.top_k, bool(gate.norm_topk_prob), args[6], args[7]))
     if len(shared) != 1:
         return "its layers differ in top-k, renormalisation, activation or GLU"
@@ -111,9 +106,7 @@ class NativeDecodeStep:
         for layer in backbone.layers:
             attention, block = layer.self_attn, layer.mlp
             q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-            w1, s1, b1, w2, s2, b2, self.activation, self.glu = _experts_args(block.experts)
-            if s1 is not None:  # int8 experts: their biases in the activations' dtype, as the eager call casts them
-                b1, b2 = (None if b is None else b.to(self.dtype) for b in (b1, b2))
+            w1, s1, b1, w2, s2, b2, self.activation, self.glu = _experts_args(block.experts, self.dtype)
             self.layers += [
                 layer.input_layernorm.weight, *linear_weights(attention.q_proj), *linear_weights(attention.k_proj),
                 *linear_weights(attention.v_proj), *linear_weights(attention.o_proj),

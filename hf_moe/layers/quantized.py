@@ -108,17 +108,21 @@ class QuantizedExperts(nn.Module):
         names = (self.up_name, "down_proj")
         return {n: dequantize_int8(getattr(self, n), getattr(self, f"{n}_scale"), dtype) for n in names}
 
+    def kernel_args(self, dtype: torch.dtype) -> tuple:
+        """(w1, w1_scale, b1, w2, w2_scale, b2, activation, glu): the arguments of `hf_moe::moe_experts_infer` after
+        its activations and routing weights, the biases cast to the activations' `dtype`."""
+        b1, b2 = getattr(self, f"{self.up_name}_bias"), self.down_proj_bias
+        return (getattr(self, self.up_name), getattr(self, f"{self.up_name}_scale"),
+                None if b1 is None else b1.to(dtype), self.down_proj, self.down_proj_scale,
+                None if b2 is None else b2.to(dtype), kernel_activation(self.activation), self.has_gate)
+
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         x = hidden_states.contiguous()
         weights = top_k_weights.to(x.dtype)
-        b1, b2 = getattr(self, f"{self.up_name}_bias"), self.down_proj_bias
-        activation = kernel_activation(self.activation)
-        if _compiled_kernel_runs(x, activation):
-            args = (getattr(self, self.up_name), getattr(self, f"{self.up_name}_scale"),
-                    None if b1 is None else b1.to(x.dtype), self.down_proj, self.down_proj_scale,
-                    None if b2 is None else b2.to(x.dtype), activation, self.has_gate)
+        if _compiled_kernel_runs(x, kernel_activation(self.activation)):
+            args = self.kernel_args(x.dtype)
             if torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad):
                 return _Int8Experts.apply(self, x, top_k_index, weights, *args)
             return experts_infer(x, top_k_index, weights, *args)

@@ -235,11 +235,7 @@ def experts_forward(
         [N, H] in `hidden_states.dtype` (the autocast dtype under autocast).
     """
     activation = kernel_activation(_activation_of(experts))
-    if experts.has_gate:
-        w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
-    else:
-        w1, b1 = experts.up_proj, getattr(experts, "up_proj_bias", None)
-    w2, b2 = experts.down_proj, getattr(experts, "down_proj_bias", None)
+    w1, b1, w2, b2 = expert_weights(experts)
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -247,6 +243,16 @@ def experts_forward(
         with torch.autocast(device_type, enabled=False):
             return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
     return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
+
+
+def expert_weights(experts: torch.nn.Module) -> tuple:
+    """(w1, b1, w2, b2) of an experts module in transformers' fused layout (`experts_forward`): w1 `gate_up_proj`
+    [E, 2I, H] with a gate, else `up_proj` [E, I, H]; w2 `down_proj` [E, H, I]; the biases or None."""
+    if experts.has_gate:
+        w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
+    else:
+        w1, b1 = experts.up_proj, getattr(experts, "up_proj_bias", None)
+    return w1, b1, experts.down_proj, getattr(experts, "down_proj_bias", None)
 
 
 def _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu):
