@@ -18,7 +18,8 @@ if os.environ.get("HF_MOE_BUILD_EXT") == "1":
 
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-    # The source lists and flags, from the module that also does the on-first-use build (torch is its only import).
+    # The sources (every *.cpp under csrc/, found on disk) and flags, from the module that also does the on-first-use
+    # build (torch is its only import).
     spec = importlib.util.spec_from_file_location("_hf_moe_extension", "hf_moe/ops/extension.py")
     ext = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ext)

@@ -12,7 +12,8 @@ import pytest
 
 from hf_moe.ops import backend_report, load_extension
 from hf_moe.ops.build_cache import NoBuildCache, cache_root
-from hf_moe.ops.extension import BUILT, CPU_SOURCES, CSRC, build_estimate, source_hash
+from hf_moe.ops import extension
+from hf_moe.ops.extension import BUILT, CPU_SOURCES, CSRC, HEADERS, build_estimate, source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,6 +79,62 @@ def test_source_hash_covers_the_sources():
     assert all((CSRC / s).is_file() for s in CPU_SOURCES)
     assert not (CSRC / "cuda").exists()  # CUDA runs the Triton kernels (tests/test_triton.py), not C++
     assert len(source_hash()) == 16
+
+
+def test_the_build_manifest_is_every_file_under_csrc():
+    """The sources and headers are found on disk, not kept in a list by hand (a hand-kept list left a header out of
+    the cache key); every file there is in the manifest, and pyproject's package-data ships each of them."""
+    import glob
+    import tomllib
+
+    on_disk = {p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*")
+               if p.is_file() and p.name != "__init__.py" and "__pycache__" not in p.parts}
+    assert set(CPU_SOURCES) | set(HEADERS) == on_disk
+    assert "cpu/decode_ops.h" in HEADERS and "ops.cpp" in CPU_SOURCES
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["hf_moe.csrc"]
+    shipped = {name for pattern in patterns for name in glob.glob(pattern, root_dir=CSRC, recursive=True)}
+    assert on_disk <= shipped, sorted(on_disk - shipped)
+
+
+@pytest.fixture
+def csrc_copy(tmp_path, monkeypatch) -> Path:
+    """A copy of csrc/ that the extension module reads as its sources (the real tree is left alone)."""
+    import shutil
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(CSRC, copy, ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
+    monkeypatch.setattr(extension, "CSRC", copy)
+    return copy
+
+
+def test_changing_any_file_under_csrc_changes_the_cache_key(csrc_copy):
+    """A change to any source or header (csrc/cpu/decode_ops.h was left out) is a new build, not a stale one loaded;
+    so is a file added or renamed."""
+    before = source_hash()
+    files = sorted(p for p in csrc_copy.rglob("*") if p.is_file())
+    assert csrc_copy / "cpu" / "decode_ops.h" in files
+    for path in files:
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n")
+        assert source_hash() != before, f"a change to {path.relative_to(csrc_copy)} keeps the cache key"
+        path.write_bytes(original)
+    assert source_hash() == before
+    (csrc_copy / "cpu" / "decode_ops.h").rename(csrc_copy / "cpu" / "decode_ops2.h")
+    assert source_hash() != before
+    (csrc_copy / "cpu" / "decode_ops2.h").rename(csrc_copy / "cpu" / "decode_ops.h")
+    (csrc_copy / "cpu" / "new_kernels.cpp").write_text("// a source another change adds\n")
+    assert source_hash() != before
+
+
+def test_the_compile_estimate_counts_every_source(csrc_copy):
+    """The first build's estimate adds up the compiles of the sources the build compiles, not of a list that had
+    fallen behind it (6 of 10)."""
+    sources = extension.manifest(extension.SOURCE_PATTERNS)
+    seconds = extension.compile_cpu_seconds()
+    assert len(seconds) == len(sources) == len(list(csrc_copy.rglob("*.cpp")))
+    assert max(seconds) == extension.TORCH_EXTENSION_UNIT_S  # ops.cpp: pybind11 and all of torch's headers
+    (csrc_copy / "cpu" / "new_kernels.cpp").write_text("#include <torch/library.h>\n")
+    assert sum(extension.compile_cpu_seconds()) == sum(seconds) + extension.UNIT_S
 
 
 @pytest.mark.slow

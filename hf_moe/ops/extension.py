@@ -39,11 +39,23 @@ logger = logging.getLogger("hf_moe")
 _HERE = Path(__file__).resolve()
 # csrc/ at the top of a source checkout (and of editable installs); inside the package (hf_moe/csrc) in a wheel.
 CSRC = _HERE.parents[2] / "csrc" if (_HERE.parents[2] / "csrc" / "ops.cpp").is_file() else _HERE.parents[1] / "csrc"
-CPU_SOURCES = ["ops.cpp", "cpu/dispatch_cpu.cpp", "cpu/experts_cpu.cpp", "cpu/fused_cpu.cpp",
-               "cpu/serve_cpu.cpp", "cpu/serve_kernels.cpp", "cpu/serve_kernels_q8.cpp", "cpu/decode_cpu.cpp",
-               "cpu/decode_kernels.cpp", "cpu/decode_step_cpu.cpp"]
-HEADERS = ["hf_moe.h", "cpu/activation_cpu.h", "cpu/serve_kernels.h", "cpu/serve_kernels_q8.h", "cpu/serve_tile.h",
-           "cpu/simd_avx512.h", "cpu/decode_kernels.h"]
+# What the build is made of: every C++ source and header under csrc/ (the same patterns ship them in the wheel,
+# pyproject.toml's package-data), found on disk, so that a file added or changed there is built and changes the key.
+SOURCE_PATTERNS = ("*.cpp",)
+HEADER_PATTERNS = ("*.h",)
+
+
+def manifest(patterns: tuple[str, ...], csrc: Path | None = None) -> list[str]:
+    """The files under `csrc` (default: `CSRC`, recursively) whose names match `patterns`, as sorted POSIX paths
+    relative to it."""
+    csrc = CSRC if csrc is None else Path(csrc)
+    found = {path.relative_to(csrc).as_posix() for pattern in patterns for path in csrc.rglob(pattern)
+             if path.is_file()}
+    return sorted(found)
+
+
+CPU_SOURCES = manifest(SOURCE_PATTERNS)
+HEADERS = manifest(HEADER_PATTERNS)
 CXX_FLAGS = ["-O3", "-fopenmp"]
 
 
@@ -81,11 +93,15 @@ def torch_install_key(torch_dir: str | os.PathLike | None = None) -> str:
     return "\n".join(parts)
 
 
-def source_hash(torch_dir: str | os.PathLike | None = None) -> str:
-    """The build's cache key: the sources, the flags, Python, and the torch install (`torch_install_key`)."""
+def source_hash(torch_dir: str | os.PathLike | None = None, csrc: Path | None = None) -> str:
+    """The build's cache key: every source and header under `csrc` (default: this package's csrc/; their paths and
+    contents), the flags, Python, and the torch install (`torch_install_key`)."""
+    csrc = CSRC if csrc is None else Path(csrc)
     h = hashlib.sha256()
-    for path in [*(CSRC / s for s in HEADERS), *(CSRC / s for s in CPU_SOURCES)]:
-        h.update(path.read_bytes())
+    for name in manifest(HEADER_PATTERNS + SOURCE_PATTERNS, csrc):
+        data = (csrc / name).read_bytes()
+        h.update(f"{name}\0{len(data)}\0".encode())  # a renamed or moved file changes the key too
+        h.update(data)
     h.update(f"{torch.__version__} {sys.version_info[:2]} {CXX_FLAGS}".encode())
     h.update(torch_install_key(torch_dir).encode())
     return h.hexdigest()[:16]
@@ -95,7 +111,7 @@ def build(verbose: bool = False):
     """Import the finished build of csrc/ from the cache, or compile it there with ninja first."""
     from torch.utils.cpp_extension import load
 
-    sources = [str(CSRC / s) for s in CPU_SOURCES]
+    sources = [str(CSRC / s) for s in manifest(SOURCE_PATTERNS)]
     digest = source_hash()
     name = f"hf_moe_ext_{digest}"
     build_dir = _cache_dir() / digest
@@ -117,16 +133,23 @@ def build(verbose: bool = False):
 
 # Written in a build directory once its library is complete; holds the seconds the build took.
 BUILT = "hf_moe-build.done"
-# CPU seconds (user + sys) of each compile, g++ 12 -O3 on one core of the 2-core machine of issue 29, and of the link.
-COMPILE_CPU_S = {"ops.cpp": 27, "cpu/dispatch_cpu.cpp": 10, "cpu/experts_cpu.cpp": 11, "cpu/fused_cpu.cpp": 13,
-                 "cpu/serve_cpu.cpp": 12, "cpu/serve_kernels.cpp": 12}
+# CPU seconds (user + sys) g++ -O3 spends on one translation unit: one that includes <torch/extension.h> (pybind11
+# and all of torch's headers) costs about twice any other; docs/backends.md gives the whole build's time.
+TORCH_EXTENSION_UNIT_S, UNIT_S = 27, 12
 LINK_S = 2
+
+
+def compile_cpu_seconds(csrc: Path | None = None) -> list[float]:
+    """The CPU seconds each source of the build (`manifest`) takes to compile, estimated."""
+    csrc = CSRC if csrc is None else Path(csrc)
+    return [TORCH_EXTENSION_UNIT_S if b"<torch/extension.h>" in (csrc / name).read_bytes() else UNIT_S
+            for name in manifest(SOURCE_PATTERNS, csrc)]
 
 
 def build_estimate(ext_dir: Path) -> str:
     """How long a build will take, in words: what the last build on this machine took (another hash's, in
-    `ext_dir`), else the compiles' CPU time spread over the cores ninja can use, stretched by the machine's load (a
-    build took 45 s on 2 idle cores, and 240 to 370 s at a load of 10 to 12)."""
+    `ext_dir`), else the compiles' CPU time (`compile_cpu_seconds`) spread over the cores ninja can use, stretched by
+    the machine's load by (load + cores) / cores."""
     done = sorted((p.stat().st_mtime, p) for p in ext_dir.glob(f"*/{BUILT}"))
     for _, path in reversed(done):
         try:
@@ -135,7 +158,8 @@ def build_estimate(ext_dir: Path) -> str:
             continue
         return f"about {_minutes(seconds)}, as the last build here took"
     cores = int(os.environ.get("MAX_JOBS") or 0) or _usable_cores()  # torch passes MAX_JOBS to ninja as -j
-    idle = max(max(COMPILE_CPU_S.values()), sum(COMPILE_CPU_S.values()) / min(cores, len(COMPILE_CPU_S))) + LINK_S
+    units = compile_cpu_seconds()
+    idle = max(max(units), sum(units) / min(cores, len(units))) + LINK_S
     text = f"about {_minutes(idle)} on {cores} idle core{'s' if cores > 1 else ''}"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load >= cores / 2:
