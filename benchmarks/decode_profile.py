@@ -105,7 +105,7 @@ class Mode:
 
     def _build(self):
         from hf_moe.decode import FusedDecodeStep
-        from hf_moe.generation import DECODE_OPTIONS
+        from hf_moe.generation import DECODE_OPTIONS, decode_compile_config
 
         if self.name == "eager":
             return lambda: self.model(self.token, position_ids=self._positions(), use_cache=True,
@@ -115,8 +115,9 @@ class Mode:
         settings = MODES[self.name]
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
         if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
-            step = FusedDecodeStep(self.model, options, None, settings.get("skip_guards", True),
-                                   settings.get("native", True))
+            config = decode_compile_config(options=options, skip_guards=settings.get("skip_guards", True),
+                                           native=settings.get("native", True))
+            step = FusedDecodeStep(self.model, config, None)
             step.compiled = self.programs.setdefault(repr(sorted((options or {}).items())), step.compiled)
             return lambda: step(input_ids=self.token, position_ids=self._positions(),
                                 attention_mask=self._mask()[:, None, None], **self.cache_kwargs).logits
@@ -127,8 +128,9 @@ class Mode:
     def _aoti(self):
         """The fused step through torch.export and AOTInductor: a package on disk, loaded back and run."""
         from hf_moe.decode import FusedDecodeStep
+        from hf_moe.generation import decode_compile_config
 
-        step = FusedDecodeStep(self.model, None, fallback=None)
+        step = FusedDecodeStep(self.model, decode_compile_config(), fallback=None)
         layers = self.static_layers(self.cache)
 
         class Step(torch.nn.Module):

@@ -11,26 +11,39 @@ when it is int8 or a decode-sized product). The step is compiled with `torch.com
 (and the inductor options of `hf_moe.generation.DECODE_OPTIONS`), so no Python runs between its kernels.
 
 Where every layer is one its kernels compute with nothing around them (an hf_moe MoE block with the plain top-k
-router: `hf_moe.decode_native.native_unsupported`), the step is not compiled at all: it is one call of
-`hf_moe::decode_step`, which runs the same kernels layer by layer in C++ (hf_moe/decode_native.py; 1.1x the compiled
-step's speed on the quickstart's model, and no compilation on the first call).
+router: `hf_moe.decode_native.native_reason`), the step is not compiled at all: it is one call of the model's plan
+(`hf_moe.decode_native.DecodePlan`), which runs the same kernels layer by layer in C++ (1.1x the compiled step's
+speed on the quickstart's model, and no compilation on the first call).
 
-It is what `MoEForCausalLM.generate` runs for each decoded token when a static cache is asked for
-(`cache_implementation="static"`, see hf_moe.generation), where the model allows it (`unsupported`): CPU, fp32 or
-bf16, the compiled extension loaded, and decoder layers of a family that shares Llama's (LlamaDecoderLayer,
-MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer without sliding windows) over an RMSNorm'd backbone. Any
-other call (a prompt, outputs of attentions or hidden states, another cache) runs transformers' compiled forward,
+Which engine decodes a model is decided in one place, `choose_decode`, which gives its reason too:
+
+  one_op    the plan's step (hf_moe.decode_native): `generate`'s default on CPU wherever it serves the model, and what
+            a static cache gets there too;
+  fused     the compiled fused step (a static cache asked for, the one-op step not serving the model, or
+            `decode_compile_config(native=False)`);
+  compiled  transformers' compiled forward (a static cache, and a model whose layers the fused step does not cover,
+            or a `compile_config` of the caller's own);
+  eager     the model's forward, nothing compiled (the default wherever the one-op step does not serve the model:
+            no minute-long first call a user did not ask for).
+
+The fused step needs CPU, fp32 or bf16, the compiled extension loaded, and decoder layers of a family that shares
+Llama's (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer without sliding windows) over
+an RMSNorm'd backbone. Any call that is not one decode token (a prompt, outputs of attentions or hidden states,
+another cache) runs the fallback (transformers' compiled forward, or the model's forward where nothing is compiled),
 as it would without hf_moe. The greedy tokens are the eager model's (tests/test_decode.py): the fused op rounds
 every intermediate the eager bf16 model rounds, where it rounds it.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from .compat import CACHE_NAME, skipping_guards, static_cache_layers
-from .decode_native import NativeDecodeStep, native_unsupported
+from .decode_native import DecodePlan, max_batch, native_reason, plan_for
 from .huge_pages import back_with_huge_pages
 from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .ops import backend_setting, load_extension
@@ -43,6 +56,8 @@ LAYERS = {
 }
 BACKBONES = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}  # their MoE subclasses: MoELlamaModel, ...
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+ONE_OP, FUSED, COMPILED, EAGER = "one_op", "fused", "compiled", "eager"  # the engines (module docstring)
+logger = logging.getLogger("hf_moe")
 
 
 def _is_norm(module) -> bool:
@@ -53,7 +68,7 @@ def _is_projection(module) -> bool:
     return isinstance(module, (nn.Linear, QuantizedLinear))
 
 
-def unsupported(model) -> str | None:
+def _fused_reason(model) -> str | None:
     """Why the fused decode step cannot run `model` (None: it can)."""
     backbone = getattr(model, "model", None)
     if backbone is None or not any(c.__name__ in BACKBONES for c in type(backbone).__mro__):
@@ -95,6 +110,65 @@ def unsupported(model) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class DecodeChoice:
+    """The engine that decodes a model's tokens (ONE_OP, FUSED, COMPILED or EAGER: module docstring) and why."""
+
+    engine: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.engine} ({self.reason})"
+
+
+def _call_reason(model, batch: int | None) -> str | None:
+    """Why the one-op step cannot run a call of `batch` rows on `model` as it is now (None: it can)."""
+    if model.training:
+        return "the model is in training mode (model.eval() first)"
+    hooked = next((name or "the model" for name, m in model.named_modules()
+                   if m._forward_hooks or m._forward_pre_hooks), None)
+    if hooked is not None:
+        return f"{hooked} has forward hooks, which the one-op step would not run"
+    recorder = model.model.layers[0].mlp.router_recorder
+    if recorder is not None and recorder.outputs is not None:
+        return "routing is being recorded"
+    limit = max_batch(model)
+    if batch is not None and limit is not None and batch > limit:
+        return f"a batch of {batch} rows: the eager bf16 experts give more than {limit} to torch's GEMMs"
+    return None
+
+
+def choose_decode(model, batch: int | None = None, config=None) -> DecodeChoice:
+    """The engine that decodes `model`'s tokens, and why: the one place that decides (module docstring).
+
+    `config`: the call's compile config, None for the plain call (nothing is compiled: the one-op step or eager);
+    hf_moe's `DecodeCompileConfig` says with `compile=False` that nothing is compiled either, with `fused` and
+    `native` which compiled step may run; any other `CompileConfig` compiles transformers' forward. `batch`: the
+    rows decoded together, where known."""
+    compiling = config is not None and getattr(config, "compile", True)
+    if compiling and not getattr(config, "fused", False):
+        return DecodeChoice(COMPILED, "the compile config is not hf_moe's decode_compile_config()")
+    reason = _fused_reason(model)
+    if reason is not None:
+        return DecodeChoice(COMPILED if compiling else EAGER, reason)
+    otherwise = FUSED if compiling else EAGER
+    if config is not None and not getattr(config, "native", True):
+        return DecodeChoice(otherwise, "decode_compile_config(native=False) asks for the compiled fused step")
+    reason = native_reason(model) or _call_reason(model, batch)
+    if reason is not None:
+        return DecodeChoice(otherwise, reason)
+    return DecodeChoice(ONE_OP, "every layer is one hf_moe::decode_step computes; nothing is compiled")
+
+
+def say(model, choice: DecodeChoice) -> None:
+    """Log (INFO, logger "hf_moe") which engine decodes `model` and why, once per model and choice."""
+    if model.__dict__.get("_hf_moe_decode_said") != choice:
+        model.__dict__["_hf_moe_decode_said"] = choice
+        hint = "" if choice.engine != EAGER else (
+            "; cache_implementation=\"static\" compiles a decode step instead (a minute or more on the first call)")
+        logger.info("hf_moe: generate decodes with the %s engine: %s%s", choice.engine, choice.reason, hint)
+
+
 def _full_attention_mask(mask):
     """The bool [B, L] mask of a decode step (transformers passes [B, 1, 1, L], or a dict of them by layer type),
     or False when the step's mask is something else (the fused step then does not run)."""
@@ -116,85 +190,95 @@ def _decode_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 class FusedDecodeStep:
-    """The decode step of `model` (a callable taking `forward`'s keyword arguments), fused where the call is one
-    token on an initialised static cache, and `fallback()`'s call (transformers' compiled forward) otherwise. With
-    `native` (the default), a fused call of a model `hf_moe.decode_native` serves is one op call instead of the
-    compiled program (`NativeDecodeStep`, made again at each `generate` call). With `huge_pages` (the default), each
-    call's first fused step asks for the model's weights on transparent huge pages (`_prepare`).
+    """The decode step of `model` (a callable taking `forward`'s keyword arguments) for a compile config `config`
+    (hf_moe.generation.DecodeCompileConfig): each decode token (one token per row on an initialised static cache)
+    runs the engine `choose_decode` picks at the first decode step of each `generate` call (the one-op plan, or this
+    step's compiled program), and any other call `fallback()`'s callable (transformers' compiled forward, or the
+    model's forward where `config.compile` is False). With `config.huge_pages` (the default), each call's first
+    fused step asks for the model's weights on transparent huge pages (hf_moe.huge_pages).
 
-    Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=options)`), once per batch
-    size and cache length, as transformers' own compiled step.
+    Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=config.options)`), once per
+    batch size and cache length, as transformers' own compiled step; never where `config.compile` is False.
 
-    With `skip_guards`, Dynamo's guards (a check of every module attribute and weight the step reads, a few thousand
-    of them) are evaluated on the first step of each `generate` call, which may recompile; the later steps of the
-    call, on the same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)` around
-    the call alone, in the caller's stance). They cost 1.9 ms of a 20 ms step of the quickstart's model
+    With `config.skip_guards`, Dynamo's guards (a check of every module attribute and weight the step reads, a few
+    thousand of them) are evaluated on the first step of each `generate` call, which may recompile; the later steps
+    of the call, on the same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`
+    around the call alone, in the caller's stance). They cost 1.9 ms of a 20 ms step of the quickstart's model
     (docs/serving-cpu.md). Nothing that the guards check changes between two steps of one call;
     `MoEForCausalLM.generate` calls `reset` first, so a model changed between calls (quantized, its modules
     replaced) is checked, and compiled for again."""
 
-    def __init__(self, model, options: dict | None, fallback, skip_guards: bool = True, native: bool = True,
-                 huge_pages: bool = True):
-        self.model = model
-        self.fallback = fallback
-        self.skip_guards = skip_guards
-        self.compiled = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options or None)
+    def __init__(self, model, config, fallback):
+        self.model, self.config, self.fallback = model, config, fallback
+        self.skip_guards = getattr(config, "skip_guards", True)
+        self.huge_pages = getattr(config, "huge_pages", True)
+        self.compiled = (torch.compile(self.forward, fullgraph=True, dynamic=False, options=config.options or None)
+                         if getattr(config, "compile", True) else None)
         self.trusted = None  # the (cache, shapes) whose step passed every guard in this generate call; None: none
-        self.native_allowed, self.huge_pages = native, huge_pages
-        self.native: NativeDecodeStep | None | bool = False  # False: not yet decided for this generate call
+        self.decided: tuple | None = None  # (batch, DecodeChoice, plan or None) of this generate call
         self.huge_page_bytes = 0  # of the model's weights the kernel put on huge pages at the last call's start
 
+    @property
+    def choice(self) -> DecodeChoice | None:
+        """The engine of this generate call's decode steps (None: none decided yet)."""
+        return None if self.decided is None else self.decided[1]
+
     def reset(self) -> None:
-        """A `generate` call begins or ends: the next call's first step evaluates every guard again, and the one-op
-        step (`hf_moe.decode_native`) is dropped, with its references to the weights, and made again from the model
-        as it is then."""
+        """A `generate` call begins or ends: the next call's first step evaluates every guard again and decides its
+        engine again (`choose_decode`; the plan is rebuilt there if the model changed: `plan_for`)."""
         self.trusted = None
-        self.native = False
+        self.decided = None
 
-    def _prepare(self) -> NativeDecodeStep | None:
-        """At the first fused call of each `generate` call: the model's weights asked onto transparent huge pages
-        (`hf_moe.huge_pages`: the step streams them; the first time about a second per GiB, milliseconds after),
-        and the one-op step of the model as it is now, returned, or None where `native_unsupported` says why not."""
-        if self.native is False:
-            if self.huge_pages:
+    def _engine(self, batch: int) -> tuple[DecodeChoice, DecodePlan | None]:
+        """The engine of a decode step of `batch` rows: decided at the first step of each generate call, where the
+        weights are also asked onto huge pages (hf_moe.huge_pages: the step streams them; the first time about a
+        second per GiB, milliseconds after)."""
+        if self.decided is None or self.decided[0] != batch:
+            choice = choose_decode(self.model, batch, self.config)
+            say(self.model, choice)
+            if self.huge_pages and choice.engine in (ONE_OP, FUSED):
                 self.huge_page_bytes = back_with_huge_pages([*self.model.parameters(), *self.model.buffers()])
-            self.native = (NativeDecodeStep(self.model) if self.native_allowed
-                           and native_unsupported(self.model) is None else None)
-        return self.native
+            self.decided = (batch, choice, plan_for(self.model) if choice.engine == ONE_OP else None)
+        return self.decided[1], self.decided[2]
 
-    def handles(self, kwargs: dict, layers: list | None) -> bool:
-        """Whether the call (forward's keyword arguments; `layers`: `static_cache_layers` of its cache) is one the
-        fused step computes: one token per row on an initialised static cache, nothing but logits asked for."""
+    def _decode_call(self, kwargs: dict) -> tuple | None:
+        """(input_ids, position_ids, mask, cache layers) of a call that is one decode token (forward's keyword
+        arguments: one token per row on an initialised static cache, nothing but logits asked for), else None."""
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
         extra = {"input_ids", CACHE_NAME, "position_ids", "attention_mask", "logits_to_keep", "use_cache",
                  "return_dict"}
         flags = ("output_attentions", "output_hidden_states", "output_router_logits")
-        return (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1
                 and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
-                and layers is not None and len(layers) == len(self.model.model.layers)
-                and layers[0][0].shape[0] == ids.shape[0]
-                and _full_attention_mask(kwargs.get("attention_mask")) is not False
                 and kwargs.get("logits_to_keep", 0) in (0, 1)
                 and all(not kwargs.get(f) for f in flags) and set(kwargs) - set(flags) <= extra
-                and not torch.is_grad_enabled())
+                and not torch.is_grad_enabled()):
+            return None
+        layers = static_cache_layers(kwargs.get(CACHE_NAME))
+        mask = _full_attention_mask(kwargs.get("attention_mask"))
+        if (layers is None or len(layers) != len(self.model.model.layers) or layers[0][0].shape[0] != ids.shape[0]
+                or mask is False):
+            return None
+        return ids, positions, mask, layers
 
     def __call__(self, **kwargs):
-        layers = static_cache_layers(kwargs.get(CACHE_NAME))
-        if not self.handles(kwargs, layers):
+        call = self._decode_call(kwargs)
+        engine = None if call is None else self._engine(call[0].shape[0])
+        if engine is None or engine[0].engine not in (ONE_OP, FUSED):
             self.trusted = None
             return self.fallback()(**kwargs)
-        mask = _full_attention_mask(kwargs.get("attention_mask"))
-        args = (kwargs["input_ids"], kwargs["position_ids"], mask, layers)
-        native = self._prepare()
-        if native is not None and native.runs(args[0].shape[0]):  # the whole step in one op, nothing compiled
-            return self.model.output_class(logits=native(*args), **{CACHE_NAME: kwargs[CACHE_NAME]})
-        key = (id(layers[0][0]), len(layers), tuple(kwargs["input_ids"].shape), None if mask is None else mask.shape)
-        if self.skip_guards and key == self.trusted:  # a later step of this call, on its first step's cache
-            with skipping_guards():
-                logits = self.compiled(*args)
+        choice, plan = engine
+        if choice.engine == ONE_OP:  # the whole step in one op, nothing compiled
+            logits = plan(*call)
         else:
-            logits = self.compiled(*args)
-            self.trusted = key
+            ids, _, mask, layers = call
+            key = (id(layers[0][0]), len(layers), tuple(ids.shape), None if mask is None else mask.shape)
+            if self.skip_guards and key == self.trusted:  # a later step of this call, on its first step's cache
+                with skipping_guards():
+                    logits = self.compiled(*call)
+            else:
+                logits = self.compiled(*call)
+                self.trusted = key
         return self.model.output_class(logits=logits, **{CACHE_NAME: kwargs[CACHE_NAME]})
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache: list):
@@ -222,22 +306,19 @@ class FusedDecodeStep:
         return _decode_linear(hidden, self.model.lm_head)[:, None]  # [B, 1, V]
 
 
-def fused_decode_step(model, options: dict | None, fallback, skip_guards: bool = True, native: bool = True,
-                      huge_pages: bool = True) -> FusedDecodeStep | None:
-    """The fused step of `model`, or None where `unsupported(model)` says why not."""
-    if unsupported(model) is not None:
-        return None
-    return FusedDecodeStep(model, options, fallback, skip_guards, native, huge_pages)
-
-
 def decode_step(model, config, fallback) -> FusedDecodeStep | None:
-    """`fused_decode_step` of `model` for a compile config (`hf_moe.generation.DecodeCompileConfig`), made once per
-    config and kept on the model (`_hf_moe_decode_steps`: (config, step) pairs, so one compilation per config)."""
+    """The fused step of `model` for a compile config (`hf_moe.generation.DecodeCompileConfig`), made once per
+    config and kept on the model (`_hf_moe_decode_steps`: (config, step) pairs, so one compilation per config), or
+    None where the config compiles and the fused step does not cover the model's layers (transformers' compiled
+    forward then runs). Where the config compiles nothing (`compile=False`), there is always a step, and its
+    fallback is the model's own forward."""
     steps = model.__dict__.setdefault("_hf_moe_decode_steps", [])
     step = next((step for known, step in steps if known == config), False)
     if step is False:
-        step = fused_decode_step(model, config.options, fallback, getattr(config, "skip_guards", True),
-                                 getattr(config, "native", True), getattr(config, "huge_pages", True))
+        if not getattr(config, "compile", True):
+            step = FusedDecodeStep(model, config, lambda: model.__call__)
+        else:
+            step = FusedDecodeStep(model, config, fallback) if _fused_reason(model) is None else None
         steps.append((config, step))
     return step
 

@@ -1,32 +1,41 @@
-"""The whole decode step in one call: `hf_moe::decode_step` (csrc/cpu/decode_step_cpu.cpp), for the models whose
-every layer the fused step's kernels compute with nothing around them.
+"""The whole decode step in one call: a plan of the model (`DecodePlan`), built once from named fields and kept
+while the weights stay the same, whose step (`hf_moe::decode_step`, csrc/cpu/decode_step_cpu.cpp) runs every layer's
+kernels in C++ with nothing compiled.
 
 `hf_moe.decode.FusedDecodeStep` compiles its step with inductor's C++ wrapper: the program still runs, per layer, a
 dozen small kernels, allocations and dispatcher calls between the attention sub-block and the experts (the router's
 cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo. On the quickstart's
 model that was a sixth of a 22 ms step, on the main thread alone, while the other thread waited (perf, docs/serving-
-cpu.md). `NativeDecodeStep` calls one op instead, which runs the same kernels layer by layer in C++, and needs no
-compilation (the compiled step's first call took 80 to 100 s with inductor's cache cold). Interleaved with the
-compiled step in one process, it took 0.90x its time in bf16 and 0.84x in int8 (docs/serving-cpu.md).
+cpu.md). The plan's step calls one op instead, which runs the same kernels layer by layer in C++, and needs no
+compilation (the compiled step's first call took 80 to 100 s with inductor's cache cold).
 
-It runs where `native_unsupported(model)` is None: what `hf_moe.decode.unsupported` allows, and besides
+Which models it serves (`native_reason`, asked by `hf_moe.decode.choose_decode` after the fused step's own checks):
 
   * every decoder layer's MLP an hf_moe `SparseMoeBlock` with the plain `topk` router (softmax, top-k, optionally
     renormalised; no dynamic skipping, capacity or unit weights), no shared experts and no output bias, and experts
     the compiled kernel computes as the eager model does (fp32 or bf16 on an AVX-512 BF16 CPU, or int8), all
     layers with one top-k, renormalisation, activation and GLU;
   * a rotary embedding whose values depend on the position alone (rope types default, linear, llama3, yarn): its
-    values for every position of the cache are computed once per cache, by the model's own module.
+    values for every position of the cache are computed once per cache length, by the model's own module.
 
-`runs(batch)` adds what depends on the call: no routing being recorded, and (bf16 experts) a batch the experts'
-kernel takes in eager mode too (`hf_moe.ops.infer.MAX_TOKENS`). Everywhere else the fused step runs its compiled
-program, as before. The router calls ATen's own kernels, as the eager router does, and every other kernel is the
-compiled step's, so the scores differ from the eager model's by the same bf16 roundings as the compiled step's; the
-tests (tests/test_decode_native.py) check the eager greedy tokens, where a near-tie of bf16 logits could go either
-way for either step.
+The plan names each layer's tensors once (`layer_fields`: the one place in Python a layer's inputs are listed); the
+C++ side reads them by name. `plan_for(model)` keeps one plan per model and rebuilds it when anything it read has
+changed (`fingerprint`: each tensor's identity, storage address, dtype, shape and version counter, and the numbers
+it read), so quantizing, loading weights (`load_state_dict` copies in place: the versions change), `model.to(...)`,
+replaced modules and in-place edits of the weights (`weight.mul_(2)`, `copy_`) between two `generate` calls are
+all seen. Writes that torch does not count (through `.data`, or to the memory behind a tensor from outside torch)
+are not; the plan reads most weights in place, so only its converted copies (a bf16 router's fp32 copy, biases
+cast to the activations' dtype) can go stale that way: `drop_plan(model)` discards the plan.
+
+The router calls ATen's own kernels, as the eager router does, and every other kernel is the compiled step's, so
+the scores differ from the eager model's by the same bf16 roundings as the compiled step's; the tests
+(tests/test_decode_native.py) check the eager greedy tokens, where a near-tie of bf16 logits could go either way for
+either step.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -41,25 +50,29 @@ from .ops.backend import _activation_of, expert_weights, kernel_activation
 # Rope types whose cos/sin depend on the position alone (transformers' dynamic and longrope types change with the
 # sequence's length).
 ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-SLOTS = 23  # tensors per layer in the op's `layers` (csrc/cpu/decode_step_cpu.cpp, enum Slot)
+PLAN = "_hf_moe_decode_plan"  # the model's plan, in its __dict__ (not a module attribute: never saved or moved)
+_BUILDING = threading.Lock()  # one thread builds a model's plan; the others use it
 
 
-def _experts_args(experts, dtype: torch.dtype) -> tuple | None:
-    """(w1, w1_scale, b1, w2, w2_scale, b2, activation, glu) as the eager experts pass them to
-    `hf_moe::moe_experts_infer` for activations of `dtype`, or None where the eager experts would run another
-    kernel."""
+def _experts_fields(experts, dtype: torch.dtype) -> tuple[dict, str, bool] | None:
+    """({w1, w1_scale, b1, w2, w2_scale, b2}: the experts' tensors as the eager experts give them to
+    `hf_moe::moe_experts_infer`, None where absent; biases not yet cast), activation, glu; or None where the eager
+    experts would run another kernel for activations of `dtype`."""
     if type(experts) is QuantizedExperts:
-        return experts.kernel_args(dtype)
+        w1, s1, _, w2, s2, _, activation, glu = experts.kernel_args(dtype)
+        b1, b2 = getattr(experts, f"{experts.up_name}_bias"), experts.down_proj_bias
+        return dict(w1=w1, w1_scale=s1, b1=b1, w2=w2, w2_scale=s2, b2=b2), activation, glu
     if type(experts) is not Experts or experts.num_local_experts != experts.num_experts:
         return None
     w1, b1, w2, b2 = expert_weights(experts)
     if w1.dtype not in infer.MAX_TOKENS or infer.kernel_isa() != "avx512_bf16":
         return None
-    return w1, None, b1, w2, None, b2, kernel_activation(_activation_of(experts)), experts.has_gate
+    activation = kernel_activation(_activation_of(experts))
+    return dict(w1=w1, w1_scale=None, b1=b1, w2=w2, w2_scale=None, b2=b2), activation, experts.has_gate
 
 
-def _block_reason(i: int, block, args: tuple | None) -> str | None:
-    """Why layer i's MLP `block` (its experts' `_experts_args`: `args`) is not one the op computes, or None."""
+def _block_reason(i: int, block, experts: tuple | None) -> str | None:
+    """Why layer i's MLP `block` (its `_experts_fields`: `experts`) is not one the op computes, or None."""
     if type(block) is not SparseMoeBlock:
         return f"layer {i}'s MLP is a {type(block).__name__}, not an hf_moe SparseMoeBlock"
     gate = block.gate
@@ -67,14 +80,15 @@ def _block_reason(i: int, block, args: tuple | None) -> str | None:
         return f"layer {i}'s router is not a plain top-k router ({gate.extra_repr()})"
     if block.shared_experts is not None or block.bias is not None or (block.dropout is not None and block.training):
         return f"layer {i}'s MoE block has shared experts, an output bias or dropout"
-    if args is None or args[6] not in reference.KERNEL_ACTIVATIONS:
-        return f"layer {i}'s experts ({type(block.experts).__name__}) do not run the compiled inference kernel"
+    if experts is None or experts[1] not in reference.KERNEL_ACTIVATIONS:
+        return (f"layer {i}'s experts ({type(block.experts).__name__}) do not run the compiled inference kernel "
+                f"(fp32 and bf16 experts: on CPUs with AVX-512 BF16 only; int8 experts everywhere)")
     return None
 
 
-def native_unsupported(model) -> str | None:
-    """Why `hf_moe::decode_step` cannot run `model`'s decode step (None: it can), beyond `hf_moe.decode.unsupported`
-    (which the caller checks first)."""
+def native_reason(model) -> str | None:
+    """Why the plan's one-op step cannot run `model`'s decode step (None: it can), beyond what
+    `hf_moe.decode.choose_decode` checks first (the fused step's layers, dtype and device)."""
     if backend_setting() == "torch" or load_extension()[0] is None:
         return "the compiled extension is not loaded (`python -m hf_moe.env` says why)"
     backbone = model.model
@@ -82,55 +96,95 @@ def native_unsupported(model) -> str | None:
         return f"its rotary embedding ({getattr(backbone.rotary_emb, 'rope_type', None)}) is not one of {ROPE_TYPES}"
     shared, dtype = set(), backbone.embed_tokens.weight.dtype
     for i, layer in enumerate(backbone.layers):
-        args = _experts_args(getattr(layer.mlp, "experts", None), dtype)
-        reason = _block_reason(i, layer.mlp, args)
+        experts = _experts_fields(getattr(layer.mlp, "experts", None), dtype)
+        reason = _block_reason(i, layer.mlp, experts)
         if reason is not None:
             return reason
         gate = layer.mlp.gate
-        shared.add((gate.top_k, bool(gate.norm_topk_prob), args[6], args[7]))
+        shared.add((gate.top_k, bool(gate.norm_topk_prob), experts[1], experts[2]))
     if len(shared) != 1:
         return "its layers differ in top-k, renormalisation, activation or GLU"
     return None
 
 
-class NativeDecodeStep:
-    """`hf_moe::decode_step`'s arguments for `model` (made once; `native_unsupported(model)` must be None), and the
-    call. Rebuilt by the fused step at each `generate` call, so a model changed between calls is read again."""
+def max_batch(model) -> int | None:
+    """The most rows one step may decode (None: any): what the experts' kernel takes in eager mode too, any rows for
+    int8 experts, `infer.MAX_TOKENS` of the dtype otherwise."""
+    layers = model.model.layers
+    if all(type(layer.mlp.experts) is QuantizedExperts for layer in layers):
+        return None
+    return infer.MAX_TOKENS.get(model.model.embed_tokens.weight.dtype)
 
-    def __init__(self, model):
+
+def _linear(prefix: str, module) -> dict:
+    weight, scale, bias = linear_weights(module)
+    return {f"{prefix}.weight": weight, f"{prefix}.scale": scale, f"{prefix}.bias": bias}
+
+
+def layer_fields(layer, dtype: torch.dtype) -> tuple[dict, dict]:
+    """({name: tensor or None}, {name: number}) of one decoder layer, as the op reads them by name
+    (csrc/cpu/decode_step_cpu.cpp, `LayerPlan`). Adding a tensor to a layer is one entry here and one read there."""
+    attention, block = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
+    experts, _, _ = _experts_fields(block.experts, dtype)
+    tensors = {
+        "input_norm": layer.input_layernorm.weight,
+        **_linear("q", attention.q_proj), **_linear("k", attention.k_proj), **_linear("v", attention.v_proj),
+        **_linear("o", attention.o_proj),
+        "q_norm": None if q_norm is None else q_norm.weight, "k_norm": None if k_norm is None else k_norm.weight,
+        "post_norm": layer.post_attention_layernorm.weight,
+        "router": block.gate.weight,
+        **experts,
+    }
+    numbers = {"eps": layer.input_layernorm.variance_epsilon,
+               "qk_eps": 1e-6 if q_norm is None else q_norm.variance_epsilon, "scaling": attention.scaling,
+               "post_eps": layer.post_attention_layernorm.variance_epsilon}
+    return tensors, numbers
+
+
+def model_fields(model) -> tuple[dict, dict]:
+    """({name: tensor or None}, {name: number, str or bool}) of what the step reads outside the layers."""
+    backbone = model.model
+    gate = backbone.layers[0].mlp.gate
+    _, activation, glu = _experts_fields(backbone.layers[0].mlp.experts, backbone.embed_tokens.weight.dtype)
+    tensors = {"embed": backbone.embed_tokens.weight, "final_norm": backbone.norm.weight,
+               **_linear("lm_head", model.lm_head), "inv_freq": getattr(backbone.rotary_emb, "inv_freq", None)}
+    settings = {"final_eps": backbone.norm.variance_epsilon, "top_k": gate.top_k,
+                "norm_topk_prob": bool(gate.norm_topk_prob), "activation": activation, "glu": glu}
+    return tensors, settings
+
+
+def _fields(model) -> list[tuple[dict, dict]]:
+    dtype = model.model.embed_tokens.weight.dtype
+    return [model_fields(model), *(layer_fields(layer, dtype) for layer in model.model.layers)]
+
+
+def fingerprint(fields: list[tuple[dict, dict]]) -> tuple:
+    """What the plan read, as it was: each tensor's identity, address, dtype, shape and version counter, and every
+    number (module docstring: what a change of it detects)."""
+    key = []
+    for tensors, numbers in fields:
+        for name, t in tensors.items():
+            key.append(None if t is None else (name, id(t), t.data_ptr(), t.dtype, tuple(t.shape), t._version))
+        key.extend(numbers.items())
+    return tuple(key)
+
+
+class DecodePlan:
+    """The one-op decode step of `model` (`native_reason(model)` must be None): its fields read and validated once,
+    the workspace reused across steps. Call it as `FusedDecodeStep.forward`: (input_ids [B, 1], position_ids
+    [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V]."""
+
+    def __init__(self, model, fields: list[tuple[dict, dict]] | None = None):
+        fields = _fields(model) if fields is None else fields
         self.model = model
+        self.key = fingerprint(fields)
         backbone = model.model
         self.dtype = backbone.embed_tokens.weight.dtype
-        self.layers: list[torch.Tensor | None] = []
-        self.floats: list[float] = []
-        for layer in backbone.layers:
-            attention, block = layer.self_attn, layer.mlp
-            q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-            w1, s1, b1, w2, s2, b2, self.activation, self.glu = _experts_args(block.experts, self.dtype)
-            self.layers += [
-                layer.input_layernorm.weight, *linear_weights(attention.q_proj), *linear_weights(attention.k_proj),
-                *linear_weights(attention.v_proj), *linear_weights(attention.o_proj),
-                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                layer.post_attention_layernorm.weight, block.gate.weight.float(), w1.contiguous(), s1, b1,
-                w2.contiguous(), s2, b2,
-            ]
-            self.floats += [layer.input_layernorm.variance_epsilon,
-                            1e-6 if q_norm is None else q_norm.variance_epsilon, attention.scaling,
-                            layer.post_attention_layernorm.variance_epsilon]
-            self.top_k, self.norm_topk_prob = block.gate.top_k, bool(block.gate.norm_topk_prob)
-        assert len(self.layers) == SLOTS * len(backbone.layers)
-        # The batch the experts' kernel takes in eager mode too: any rows for int8 experts, MAX_TOKENS otherwise.
-        int8 = all(type(layer.mlp.experts) is QuantizedExperts for layer in backbone.layers)
-        self.max_batch = None if int8 else infer.MAX_TOKENS[self.dtype]
-        self.recorder = backbone.layers[0].mlp.router_recorder
+        (tensors, settings), layers = fields[0], fields[1:]
+        self.settings = settings
         self.rotary = None  # (cache length, cos [L, D], sin [L, D])
-
-    def runs(self, batch: int) -> bool:
-        """Whether a decode call of `batch` rows runs here: no routing recorded, and a batch the eager experts'
-        compiled kernel takes (bf16 experts: `infer.MAX_TOKENS`)."""
-        if self.recorder is not None and self.recorder.outputs is not None:
-            return False
-        return self.max_batch is None or batch <= self.max_batch
+        self.op = _flat_plan(tensors, settings, layers, self.dtype)
 
     def _rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, D] of positions 0 .. length - 1, from the model's rotary module (what it gives for
@@ -145,14 +199,47 @@ class NativeDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  cache: list) -> torch.Tensor:
-        """input_ids [B, 1], position_ids [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list ->
-        logits [B, 1, V] (as `FusedDecodeStep.forward`)."""
-        backbone, head = self.model.model, self.model.lm_head
         keys, values, lengths = zip(*cache)
         cos, sin = self._rotary(keys[0].shape[2])
-        norm = backbone.norm
+        return self.op(input_ids, position_ids, mask, cos, sin, list(keys), list(values), list(lengths))
+
+
+def _flat_plan(tensors: dict, settings: dict, layers: list, dtype: torch.dtype):
+    """The step over the op's positional arguments (until the plan is a C++ object)."""
+    order = ["input_norm", "q.weight", "q.scale", "q.bias", "k.weight", "k.scale", "k.bias", "v.weight", "v.scale",
+             "v.bias", "o.weight", "o.scale", "o.bias", "q_norm", "k_norm", "post_norm", "router", "w1", "w1_scale",
+             "b1", "w2", "w2_scale", "b2"]
+    flat, floats = [], []
+    for t, n in layers:
+        t = dict(t, router=t["router"].float(), w1=t["w1"].contiguous(), w2=t["w2"].contiguous(),
+                 b1=None if t["b1"] is None else t["b1"].to(dtype), b2=None if t["b2"] is None else t["b2"].to(dtype))
+        flat += [t[name] for name in order]
+        floats += [n["eps"], n["qk_eps"], n["scaling"], n["post_eps"]]
+
+    def step(input_ids, position_ids, mask, cos, sin, keys, values, lengths):
         return torch.ops.hf_moe.decode_step(
-            input_ids, position_ids, mask, backbone.embed_tokens.weight, cos, sin, self.layers, self.floats,
-            list(keys), list(values), list(lengths), norm.weight, norm.variance_epsilon, *linear_weights(head),
-            self.top_k, self.norm_topk_prob, self.activation, self.glu,
-        )
+            input_ids, position_ids, mask, tensors["embed"], cos, sin, flat, floats, keys, values, lengths,
+            tensors["final_norm"], settings["final_eps"], tensors["lm_head.weight"], tensors["lm_head.scale"],
+            tensors["lm_head.bias"], settings["top_k"], settings["norm_topk_prob"], settings["activation"],
+            settings["glu"])
+
+    return step
+
+
+def plan_for(model) -> DecodePlan:
+    """The model's plan, built on first use and again whenever what it read has changed (`fingerprint`)."""
+    fields = _fields(model)
+    plan = model.__dict__.get(PLAN)
+    if plan is None or plan.key != fingerprint(fields):
+        with _BUILDING:
+            plan = model.__dict__.get(PLAN)
+            if plan is None or plan.key != fingerprint(fields):
+                model.__dict__.pop(PLAN, None)  # the old plan's weights go before the new plan is built
+                plan = DecodePlan(model, fields)
+                model.__dict__[PLAN] = plan
+    return plan
+
+
+def drop_plan(model) -> None:
+    """Discard `model`'s plan and its references to the weights (hf_moe.quantize does, after replacing experts)."""
+    model.__dict__.pop(PLAN, None)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from transformers import CompileConfig, GenerationConfig
 
 from .compat import compile_on_every_device
+from .decode import ONE_OP, choose_decode, say
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
 STATIC = "static"
@@ -51,12 +52,15 @@ class DecodeCompileConfig(CompileConfig):
     that runs compiled code from several threads at once sets `skip_guards=False`; and `native`: where the model
     allows it, the fused step is one call of `hf_moe::decode_step` and nothing is compiled (hf_moe.decode_native;
     `native=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
-    transparent huge pages (hf_moe.huge_pages). transformers' own models ignore all four."""
+    transparent huge pages (hf_moe.huge_pages); and `compile`: False compiles nothing (the one-op step where it
+    serves the model, its forward elsewhere: what `generate`'s plain call gets). transformers' own models ignore all
+    five."""
 
     fused: bool = True
     skip_guards: bool = True
     native: bool = True
     huge_pages: bool = True
+    compile: bool = True
 
     def to_dict(self) -> dict:
         """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
@@ -65,6 +69,7 @@ class DecodeCompileConfig(CompileConfig):
         config.pop("skip_guards", None)
         config.pop("native", None)
         config.pop("huge_pages", None)
+        config.pop("compile", None)
         if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
             config.pop("mode", None)
         else:
@@ -73,16 +78,16 @@ class DecodeCompileConfig(CompileConfig):
 
 
 def decode_compile_config(fused: bool = True, options: dict | None = None, skip_guards: bool = True,
-                          native: bool = True, huge_pages: bool = True) -> DecodeCompileConfig:
+                          native: bool = True, huge_pages: bool = True, compile: bool = True) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
     `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
     `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`, and as one
     op call where the model allows it unless `native=False`, its weights on huge pages unless `huge_pages=False`
-    (`DecodeCompileConfig`). mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist
-    on CPU."""
+    (`DecodeCompileConfig`), and nothing compiled at all with `compile=False`. mode="default": "reduce-overhead"
+    (transformers' default) means CUDA graphs, which do not exist on CPU."""
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
                                  options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
-                                 skip_guards=skip_guards, native=native, huge_pages=huge_pages)
+                                 skip_guards=skip_guards, native=native, huge_pages=huge_pages, compile=compile)
     return compile_on_every_device(config)
 
 
@@ -132,26 +137,70 @@ def _needed_length(model, args: tuple, kwargs: dict) -> int | None:
     return total if total is not None else None
 
 
-def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
-    """`generate`'s keyword arguments, with the fast decode path filled in when a static cache is asked for
-    (`cache_implementation="static"`, as a keyword, in the `generation_config` passed, or in the model's): a
-    `compile_config` that compiles on CPU too, unless the caller gave one, and a `max_cache_len` of the call's need
-    rounded up to a power of two (`cache_length`), unless the caller gave one. Anything else passes through unchanged.
-    `args` are generate's positional arguments (the prompt may be one), read only.
+# generate's arguments by which a caller chooses how to decode; any of them set, the plain call's engine is not picked
+CHOSEN = ("cache_implementation", "compile_config", "disable_compile", "assistant_model", "prompt_lookup_num_tokens",
+          "assistant_early_exit", "custom_generate", "output_attentions", "output_hidden_states",
+          "output_router_logits")
 
-    Not on models placed by accelerate (`hf_device_map`: transformers does not compile those), nor on models with a
-    module that says `supports_compile = False` (offloaded experts: their cache decides on the host what to read).
-    """
-    if not _asks_for_static_cache(model, kwargs):
-        return kwargs
-    if getattr(model, "hf_device_map", None) is not None or not all(
-        getattr(module, "supports_compile", True) for module in model.modules()
-    ):
-        return kwargs
-    kwargs = dict(kwargs)
-    if _setting(model, kwargs, "compile_config") is None:
-        kwargs["compile_config"] = decode_compile_config()
+
+def _plain_batch(model, args: tuple, kwargs: dict) -> int | None:
+    """The rows a `generate` call decodes together when the caller chose nothing about how to decode (no cache, cache
+    implementation, compile config, beams, assistant or extra outputs: `CHOSEN`), else None."""
+    if any(_setting(model, kwargs, name) for name in CHOSEN) or _setting(model, kwargs, "use_cache") is False:
+        return None
+    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache")) or (
+            _setting(model, kwargs, "num_beams") or 1) > 1:
+        return None
+    prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    if not hasattr(prompt, "shape") or len(prompt.shape) < 2:
+        return None
+    return prompt.shape[0] * (_setting(model, kwargs, "num_return_sequences") or 1)
+
+
+def _compiles(model) -> bool:
+    """Whether transformers may compile the model's decode step: not placed by accelerate (`hf_device_map`), and no
+    module that says `supports_compile = False` (offloaded experts: their cache decides on the host what to read)."""
+    return getattr(model, "hf_device_map", None) is None and all(
+        getattr(module, "supports_compile", True) for module in model.modules())
+
+
+def _with_cache_length(model, args: tuple, kwargs: dict) -> dict:
     if _setting(model, kwargs, "max_cache_len") is None:
         needed = _needed_length(model, args, kwargs)
         kwargs["max_cache_len"] = cache_length(needed) if needed is not None else MIN_CACHE_LEN
     return kwargs
+
+
+def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
+    """`generate`'s keyword arguments, with the fast decode path filled in. `args` are generate's positional
+    arguments (the prompt may be one), read only.
+
+    - The plain call (the caller chose nothing about how to decode: `_plain_batch`), where hf_moe's one-op step serves
+      the model (`hf_moe.decode.choose_decode`): a static cache and `decode_compile_config(compile=False)`, so each
+      decode token is one call of the model's plan and nothing is compiled. Elsewhere the plain call passes through
+      unchanged (eager, nothing compiled either); the engine and the reason are logged once per model (INFO,
+      logger "hf_moe").
+    - A static cache asked for (`cache_implementation="static"`, as a keyword, in the `generation_config` passed, or
+      in the model's): a `compile_config` that compiles on CPU too, unless the caller gave one.
+    - Either way, a `max_cache_len` of the call's need rounded up to a power of two (`cache_length`), unless the
+      caller gave one.
+    Anything the caller chose is kept as they chose it. Neither on models placed by accelerate nor on models with
+    offloaded experts (`_compiles`)."""
+    if not _compiles(model):
+        return kwargs
+    if not _asks_for_static_cache(model, kwargs):
+        batch = _plain_batch(model, args, kwargs)
+        if batch is None:
+            return kwargs
+        choice = choose_decode(model, batch)
+        say(model, choice)
+        if choice.engine != ONE_OP:
+            return kwargs
+        kwargs = dict(kwargs, cache_implementation=STATIC, compile_config=decode_compile_config(compile=False))
+        return _with_cache_length(model, args, kwargs)
+    kwargs = dict(kwargs)
+    if _setting(model, kwargs, "compile_config") is None:
+        kwargs["compile_config"] = decode_compile_config()
+    return _with_cache_length(model, args, kwargs)

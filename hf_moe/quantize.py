@@ -39,6 +39,7 @@ from .checkpoint import (
 )
 from .checkpoint.guard import safe_open_file
 from .checkpoint.headers import read_header
+from .decode_native import drop_plan
 from .layers import Experts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size
 from .layers.quantized_linear import QuantizedLinear
@@ -117,6 +118,7 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
                "Convert a dense model first with hf_moe.convert_to_moe.")
         )
     for name, module in targets:
+    drop_plan(model)  # the one-op decode step's plan holds the weights replaced here: they go now, not at next use
         if getattr(module, "ep_plan", None) is not None or isinstance(module.down_proj, DTensor):
             raise NotImplementedError(
                 "quantize_experts does not take expert-parallel (sharded) experts: quantize the model on one "

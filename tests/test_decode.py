@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, Genera
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import hf_moe
-from hf_moe.decode_native import NativeDecodeStep as native_step
+from hf_moe.decode_native import DecodePlan as native_plan
 from hf_moe.generation import (
     MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
 )
@@ -34,6 +34,7 @@ def converted(seed: int = 0):
 # The compiled fused step (hf_moe.decode), where the one-op step (hf_moe.decode_native, tests/test_decode_native.py)
 # would otherwise run and compile nothing: the tests of compilation itself use it.
 COMPILED = {"cache_implementation": "static", "compile_config": decode_compile_config(native=False)}
+EAGER = {"cache_implementation": "dynamic"}  # the eager model: the plain call may run the one-op step
 
 
 def greedy(model, ids, new_tokens, **kwargs):
@@ -77,7 +78,7 @@ def test_offloaded_experts_are_left_to_eager_decoding(tmp_path):
     assert prepare_generate_kwargs(model, (), {"cache_implementation": "static"}) == {"cache_implementation": "static"}
     ids = random_ids(1, 10)
     out = greedy(model, ids, 5, cache_implementation="static")
-    assert torch.equal(out.sequences, greedy(moe, ids, 5).sequences) and not hasattr(model, "_compiled_call")
+    assert torch.equal(out.sequences, greedy(moe, ids, 5, **EAGER).sequences) and not hasattr(model, "_compiled_call")
 
 
 # ---------------------------------------------------------------------------------- compiled once, hf_moe models
@@ -116,7 +117,7 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
     tokenizer = tiny_tokenizer()
     calls = [(random_ids(1, 12, seed=1), 6), (random_ids(1, 5, seed=2), 9), (random_ids(1, 30, seed=3), 4)]
     with torch.compiler.set_stance("force_eager"):
-        eager = [greedy(moe, ids, n) for ids, n in calls]
+        eager = [greedy(moe, ids, n, **EAGER) for ids, n in calls]
     with RecompileLog() as log:
         fast = [greedy(moe, *calls[0], **COMPILED)]  # compiles, then reuses for every step
         assert moe._hf_moe_decode_steps[0][1] is not None  # the auto-compile ran on CPU, with hf_moe's fused step
@@ -131,7 +132,7 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
         torch.testing.assert_close(torch.stack(a.scores), torch.stack(b.scores), atol=1e-4, rtol=1e-4)
         assert b.past_key_values.is_compileable and b.past_key_values.layers[0].keys.shape[2] == MIN_CACHE_LEN
     with torch.compiler.set_stance("force_eager"):
-        assert piped == generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False)[0][
+        assert piped == generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False, **EAGER)[0][
             "generated_text"]
 
 
@@ -156,7 +157,7 @@ def test_bf16_model_decodes_compiled():
     moe = converted().to(torch.bfloat16)
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 5)
+        eager = greedy(moe, ids, 5, **EAGER)
     with RecompileLog() as log:
         fast = greedy(moe, ids, 5, **COMPILED)
         again = greedy(moe, random_ids(1, 7, seed=5), 5, **COMPILED)
@@ -279,13 +280,16 @@ def converted_family(model_type: str, seed: int = 0, layers=None):
 
 
 def test_the_fused_step_says_which_models_it_runs_and_why_not_the_others():
-    from hf_moe.decode import unsupported
+    from hf_moe.decode import choose_decode
 
+    config = decode_compile_config(native=False)
     for family in ("llama", "qwen2", "qwen3"):
-        assert unsupported(converted_family(family)) is None, family
-    assert "sliding window" in unsupported(converted_family("mistral"))  # tiny mistral: sliding_window=6
-    assert "GemmaModel" in unsupported(converted_family("gemma"))
-    assert "float16" in unsupported(converted_family("llama").half())
+        assert choose_decode(converted_family(family), 1, config).engine == "fused", family
+    choice = choose_decode(converted_family("mistral"), 1, config)  # tiny mistral: sliding_window=6
+    assert choice.engine == "compiled" and "sliding window" in choice.reason
+    assert "GemmaModel" in choose_decode(converted_family("gemma"), 1, config).reason
+    assert "float16" in choose_decode(converted_family("llama").half(), 1, config).reason
+    assert choose_decode(converted_family("gemma")).engine == "eager"  # the plain call compiles nothing
 
 
 @pytest.mark.slow
@@ -301,7 +305,7 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=5, min_new_tokens=5, pad_token_id=0,
                   return_dict_in_generate=True, output_scores=True)
     with torch.compiler.set_stance("force_eager"):
-        eager = moe.generate(ids, **kwargs)
+        eager = moe.generate(ids, **EAGER, **kwargs)
     with RecompileLog() as log:
         fast = moe.generate(ids, cache_implementation="static", **kwargs)
         steps = [step for _, step in moe._hf_moe_decode_steps]
@@ -325,14 +329,13 @@ def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native, monkeypatc
     hf_moe.quantize_experts(moe, "int8", linears=True)
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 6)
-    from hf_moe import decode
+        eager = greedy(moe, ids, 6, **EAGER)
+    from hf_moe import decode_native
 
     made = []
-    monkeypatch.setattr(decode, "NativeDecodeStep", lambda model: made.append(model) or native_step(model))
+    monkeypatch.setattr(decode_native, "DecodePlan", lambda *a: made.append(a) or native_plan(*a))
     fast = greedy(moe, ids, 6, cache_implementation="static", compile_config=decode_compile_config(native=native))
     assert moe._hf_moe_decode_steps[0][1] is not None and len(made) == native
-    assert moe._hf_moe_decode_steps[0][1] is not None
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
 
@@ -363,7 +366,7 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     assert len(skipped) == 3  # 5 tokens: the prefill's, then 4 decode steps, the first of them checked
     hf_moe.quantize_experts(moe, "int8", linears=True)  # new modules: the bf16 graph no longer fits
     with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 6)
+        eager = greedy(moe, ids, 6, **EAGER)
     cache.reset()
     fast = greedy(moe, ids, 6, **reused)
     assert len(skipped) == 3 + 4

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import hf_moe
-from hf_moe.decode_native import NativeDecodeStep, native_unsupported
+from hf_moe.decode import choose_decode
+from hf_moe.decode_native import PLAN, DecodePlan, max_batch, native_reason
 from hf_moe.generation import decode_compile_config
 
 from conftest import random_ids, tiny_dense
@@ -36,6 +37,9 @@ def converted(model_type: str = "llama", seed: int = 0, **kwargs):
     return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.1, verify=False, **kwargs).eval()
 
 
+EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
+
+
 def greedy(model, ids, new_tokens, mask=None, **kwargs):
     mask = torch.ones_like(ids) if mask is None else mask
     return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
@@ -45,14 +49,15 @@ def greedy(model, ids, new_tokens, mask=None, **kwargs):
 
 @pytest.fixture
 def plans(monkeypatch):
-    """Every one-op step the fused step makes (one per generate call), each counting its calls."""
-    import hf_moe.decode
+    """Every plan of the one-op step built (one per model, and again when its weights change), each counting its
+    calls."""
+    import hf_moe.decode_native
 
     made = []
 
-    class Recording(NativeDecodeStep):
-        def __init__(self, model):
-            super().__init__(model)
+    class Recording(DecodePlan):
+        def __init__(self, *args):
+            super().__init__(*args)
             self.calls = 0
             made.append(self)
 
@@ -60,7 +65,7 @@ def plans(monkeypatch):
             self.calls += 1
             return super().__call__(*args)
 
-    monkeypatch.setattr(hf_moe.decode, "NativeDecodeStep", Recording)
+    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
     return made
 
 
@@ -78,17 +83,20 @@ def one_op_step(model):
 
 def test_the_one_op_step_runs_where_every_layer_allows_it_and_says_why_not_elsewhere():
     for family in ("llama", "qwen2", "qwen3"):
-        assert native_unsupported(converted(family)) is None, family
-    assert native_unsupported(converted().to(torch.bfloat16)) is None
-    assert "layer 1's MLP" in native_unsupported(converted(layers=[0, 2]))  # layer 1 stays dense
-    assert "router" in native_unsupported(converted(router_type="noisy_topk"))
+        assert native_reason(converted(family)) is None, family
+        assert choose_decode(converted(family)).engine == "one_op"
+    assert native_reason(converted().to(torch.bfloat16)) is None
+    assert "layer 1's MLP" in native_reason(converted(layers=[0, 2]))  # layer 1 stays dense
+    assert "router" in native_reason(converted(router_type="noisy_topk"))
     skipping = converted()
     skipping.model.layers[2].mlp.gate.skip_threshold = 0.3  # dynamic skipping (config.router_skip_threshold)
-    assert "layer 2's router" in native_unsupported(skipping)
-    assert "shared experts" in native_unsupported(converted(num_shared_experts=1))
+    assert "layer 2's router" in native_reason(skipping)
+    assert "shared experts" in native_reason(converted(num_shared_experts=1))
     dynamic = converted()
     dynamic.model.rotary_emb.rope_type = "dynamic"  # its cos/sin change with the sequence's length
-    assert "rotary" in native_unsupported(dynamic)
+    assert "rotary" in native_reason(dynamic)
+    assert choose_decode(dynamic).engine == "eager"  # the plain call compiles nothing
+    assert choose_decode(dynamic, config=decode_compile_config()).engine == "fused"
 
 
 @pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
@@ -96,12 +104,11 @@ def test_the_one_op_step_runs_where_every_layer_allows_it_and_says_why_not_elsew
 def test_the_one_op_step_gives_the_eager_tokens_and_compiles_nothing(family, dtype, plans):
     moe = converted(family).to(dtype)
     ids = random_ids(1, 10, seed=4)
-    with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 6)
+    eager = greedy(moe, ids, 6, **EAGER)
     step = one_op_step(moe)
     fast = greedy(moe, ids, 6, cache_implementation="static")
     assert len(plans) == 1 and plans[0].calls == 5  # every decode step (the first token is the prefill's)
-    assert step.native is False  # dropped with the call: it holds no weights between calls
+    assert step.choice is None and moe.__dict__[PLAN] is plans[0]  # the plan outlives the call, the choice not
     assert torch.equal(eager.sequences, fast.sequences)
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), **tolerance)
@@ -114,17 +121,17 @@ def test_a_padded_batch_and_a_model_quantized_between_calls(plans):
     ids = random_ids(2, 9, seed=5)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 5, mask=mask)
-    step = one_op_step(moe)
+    eager = greedy(moe, ids, 5, mask=mask, **EAGER)
+    one_op_step(moe)
     fast = greedy(moe, ids, 5, mask=mask, cache_implementation="static")
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
+    assert max_batch(moe) == 32
     hf_moe.quantize_experts(moe, "int8", linears=True)
-    with torch.compiler.set_stance("force_eager"):
-        eager = greedy(moe, ids, 5, mask=mask)
+    assert PLAN not in moe.__dict__  # dropped by quantize_experts, with the weights it replaced
+    eager = greedy(moe, ids, 5, mask=mask, **EAGER)
     fast = greedy(moe, ids, 5, mask=mask, cache_implementation="static")
-    assert len(plans) == 2 and plans[0].max_batch == 32 and plans[1].max_batch is None  # int8 experts: any batch
+    assert len(plans) == 2 and max_batch(moe) is None  # int8 experts: any batch
     assert all(plan.calls == 4 for plan in plans)
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
@@ -136,17 +143,19 @@ def test_recorded_routing_and_large_bf16_batches_take_the_compiled_step():
     from hf_moe.ops.infer import MAX_TOKENS
 
     moe = converted().to(torch.bfloat16)
-    native = NativeDecodeStep(moe)
-    assert native.runs(1) and native.runs(MAX_TOKENS[torch.bfloat16])
-    assert not native.runs(MAX_TOKENS[torch.bfloat16] + 1)
-    with native.recorder.recording():
-        assert not native.runs(1)
-    assert native.runs(1)
+    config = decode_compile_config()
+    engine = lambda batch: choose_decode(moe, batch, config).engine  # noqa: E731
+    assert engine(1) == engine(MAX_TOKENS[torch.bfloat16]) == "one_op"
+    assert engine(MAX_TOKENS[torch.bfloat16] + 1) == "fused"
+    assert choose_decode(moe, MAX_TOKENS[torch.bfloat16] + 1).engine == "eager"  # the plain call compiles nothing
+    with moe.model.layers[0].mlp.router_recorder.recording():
+        assert engine(1) == "fused"
+    assert engine(1) == "one_op"
 
 
 def test_the_rotary_table_holds_each_positions_own_values():
     moe = converted().to(torch.bfloat16)
-    cos, sin = NativeDecodeStep(moe)._rotary(64)
+    cos, sin = DecodePlan(moe)._rotary(64)
     probe = torch.empty(1, 1, 1, dtype=torch.bfloat16)
     for position in (0, 1, 17, 63):
         c, s = moe.model.rotary_emb(probe, torch.tensor([[position]]))
@@ -159,21 +168,17 @@ def test_bad_arguments_are_refused_with_what_is_wrong():
     from hf_moe.compat import cache_kwargs, static_cache_layers
 
     moe = converted()
-    native = NativeDecodeStep(moe)
+    plan = DecodePlan(moe)
     cache = StaticCache(config=moe.config, max_cache_len=16)
     with torch.no_grad():
         moe(random_ids(1, 4), use_cache=True, **cache_kwargs(cache))
     layers = static_cache_layers(cache)
     ids, positions = torch.tensor([[5]]), torch.tensor([[4]])
-    native(ids, positions, None, layers)  # fine
-    native.layers = native.layers[:-1]
-    with pytest.raises(RuntimeError, match="layer tensors"):
-        native(ids, positions, None, layers)
-    native = NativeDecodeStep(moe)
+    plan(ids, positions, None, layers)  # fine
     with pytest.raises(RuntimeError, match="one token per row"):
-        native(torch.tensor([[5, 6]]), torch.tensor([[4, 5]]), None, layers)
-    with pytest.raises(IndexError):  # a position past the cache (and its rotary table)
-        native(ids, torch.tensor([[16]]), None, layers)
+        plan(torch.tensor([[5, 6]]), torch.tensor([[4, 5]]), None, layers)
+    with pytest.raises((IndexError, RuntimeError)):  # a position past the cache (and its rotary table)
+        plan(ids, torch.tensor([[16]]), None, layers)
 
 
 def _huge_pages_offered() -> bool:

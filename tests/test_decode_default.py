@@ -1,0 +1,200 @@
+"""The plain call is the fast path (hf_moe.generation.prepare_generate_kwargs, hf_moe.decode.choose_decode):
+
+- `model.generate(**inputs)` with no cache arguments, `pipeline("text-generation")` and `hf-moe generate` with its
+  defaults run the one-op step (hf_moe.decode_native) wherever it serves the model, with nothing compiled, and give
+  the eager model's tokens and scores (fp32 and bf16 activations, a left-padded batch);
+- where only a compiled step would serve, the plain call stays eager, compiles nothing, and says why (INFO log);
+- an explicit choice of the caller (a cache implementation, a compile config, a cache, extra outputs) is obeyed;
+- the plan is built once, kept across calls, and rebuilt when the weights change; two threads may decode at once.
+
+int8 experts run the one-op step on every CPU; fp32 and bf16 experts only where their compiled kernel runs in eager
+mode too (AVX-512 BF16: hf_moe.ops.infer), so those cases skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from transformers import CompileConfig, DynamicCache, pipeline
+
+import hf_moe
+from hf_moe.decode import choose_decode
+from hf_moe.decode_native import PLAN, DecodePlan
+from hf_moe.generation import decode_compile_config, prepare_generate_kwargs
+
+from conftest import random_ids, tiny_dense, tiny_tokenizer
+
+EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
+
+
+def _kernels_take(experts: str) -> bool:
+    from hf_moe.ops import infer, load_extension
+
+    return load_extension()[0] is not None and (experts == "int8" or infer.kernel_isa() == "avx512_bf16")
+
+
+def model_with(experts: str = "int8", dtype=torch.float32, family: str = "llama", **convert):
+    """A tiny converted model, its experts int8 (`experts="int8"`) or left as they are ("plain"); skips where the
+    one-op step cannot run them on this CPU."""
+    if not _kernels_take(experts):
+        pytest.skip(f"the one-op step runs {experts} experts on AVX-512 BF16 CPUs only")
+    torch.manual_seed(0)
+    moe = hf_moe.convert_to_moe(tiny_dense(family, seed=0), num_experts=4, top_k=2, noise=0.1, verify=False,
+                                **convert).eval().to(dtype)
+    return hf_moe.quantize_experts(moe, "int8") if experts == "int8" else moe
+
+
+def greedy(model, ids, new_tokens, mask=None, **kwargs):
+    mask = torch.ones_like(ids) if mask is None else mask
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, pad_token_id=0, return_dict_in_generate=True,
+                          output_scores=True, **kwargs)
+
+
+def assert_same(eager, fast, dtype):
+    assert torch.equal(eager.sequences, fast.sequences)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), **tolerance)
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Every plan of the one-op step built, each counting its calls; torch.compile refused (nothing may compile)."""
+    import hf_moe.decode
+    import hf_moe.decode_native
+
+    made = []
+
+    class Recording(DecodePlan):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = 0
+            made.append(self)
+
+        def __call__(self, *args):
+            self.calls += 1
+            return super().__call__(*args)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plain call compiled something")
+
+    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
+    monkeypatch.setattr(hf_moe.decode.torch, "compile", refuse)
+    return made
+
+
+@pytest.mark.parametrize("experts", ["int8", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_plain_call_runs_the_one_op_step_with_the_eager_tokens_and_scores(experts, dtype, plans):
+    moe = model_with(experts, dtype, family="qwen3")
+    ids = random_ids(2, 9, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left-padded
+    eager = greedy(moe, ids, 6, mask=mask, **EAGER)
+    assert not plans
+    fast = greedy(moe, ids, 6, mask=mask)
+    assert len(plans) == 1 and plans[0].calls == 5  # every decode step (the first token is the prefill's)
+    assert_same(eager, fast, dtype)
+    again = greedy(moe, ids, 6, mask=mask)  # the plan is kept: built once
+    assert len(plans) == 1 and plans[0].calls == 10 and moe.__dict__[PLAN] is plans[0]
+    assert torch.equal(again.sequences, eager.sequences)
+
+
+def test_pipeline_and_the_cli_run_the_one_op_step_by_default(plans, tmp_path, capsys):
+    from hf_moe.cli import main
+
+    moe = model_with("int8")
+    tokenizer = tiny_tokenizer()
+    generate = pipeline("text-generation", model=moe, tokenizer=tokenizer)
+    fast = generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert len(plans) == 1 and plans[0].calls == 4
+    eager = generate("the fox", max_new_tokens=5, do_sample=False, return_full_text=False, **EAGER)
+    assert plans[0].calls == 4 and fast == eager[0]["generated_text"]
+
+    torch.manual_seed(0)
+    hf_moe.convert_to_moe(tiny_dense(seed=0), num_experts=4, top_k=2, verify=False).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    code = main(["generate", str(tmp_path / "m"), "the quick", "--max-new-tokens", "6", "--quantize", "int8"])
+    assert code == 0, capsys.readouterr().err
+    assert len(plans) == 2 and plans[1].calls == 5
+
+
+def test_an_explicit_choice_is_obeyed(plans):
+    moe = model_with("int8")
+    ids = random_ids(1, 8, seed=3)
+    prepare = lambda **kw: prepare_generate_kwargs(moe, (ids,), kw)  # noqa: E731
+    assert prepare()["compile_config"] == decode_compile_config(compile=False)  # the plain call: the one-op step
+    for choice in (EAGER, {"disable_compile": True}, {"past_key_values": DynamicCache()}, {"num_beams": 2},
+                   {"output_hidden_states": True}, {"use_cache": False}):
+        assert prepare(**choice) == choice, choice
+    mine = CompileConfig(fullgraph=False)
+    kept = prepare(cache_implementation="static", compile_config=mine)
+    assert kept["compile_config"] is mine and choose_decode(moe, 1, mine).engine == "compiled"
+    assert prepare(cache_implementation="static")["compile_config"] == decode_compile_config()
+    for kwargs in (EAGER, {"output_hidden_states": True}, {"past_key_values": DynamicCache()}):
+        greedy(moe, ids, 3, **kwargs)
+    assert not plans
+
+
+def test_where_only_a_compiled_step_would_serve_the_plain_call_stays_eager_and_says_why(plans, caplog):
+    moe = model_with("int8", num_shared_experts=1)  # shared experts: the compiled fused step only
+    choice = choose_decode(moe, 1)
+    assert choice.engine == "eager" and "shared experts" in choice.reason
+    assert choose_decode(moe, 1, decode_compile_config()).engine == "fused"
+    ids = random_ids(1, 8, seed=3)
+    with caplog.at_level(logging.INFO, logger="hf_moe"):
+        out = greedy(moe, ids, 4)  # plans refuses torch.compile: nothing compiles
+        greedy(moe, ids, 4)
+    said = [r.getMessage() for r in caplog.records if "decodes with" in r.getMessage()]
+    assert len(said) == 1 and "eager engine" in said[0] and "shared experts" in said[0], said
+    assert not plans and torch.equal(out.sequences, greedy(moe, ids, 4, **EAGER).sequences)
+
+
+def test_the_plan_is_rebuilt_when_the_weights_change_and_only_then(plans):
+    """In-place edits (counted by torch's version counters), replaced modules, a dtype change: each rebuilds the
+    plan at the next call, whose tokens are the changed eager model's; nothing changed, nothing is rebuilt."""
+    moe = model_with("int8")
+    ids = random_ids(2, 8, seed=6)
+    greedy(moe, ids, 4)
+    greedy(moe, ids, 4)
+    assert len(plans) == 1
+    edits = [
+        lambda m: m.model.layers[1].mlp.gate.weight.mul_(-3.0),  # the router: the plan's fp32 copy must follow
+        lambda m: m.lm_head.weight.mul_(2.0),
+        lambda m: m.model.layers[2].mlp.experts.down_proj_scale.mul_(0.5),
+        lambda m: m.to(torch.bfloat16),
+    ]
+    for n, edit in enumerate(edits, start=2):
+        with torch.no_grad():
+            edit(moe)
+        eager = greedy(moe, ids, 4, **EAGER)
+        fast = greedy(moe, ids, 4)
+        assert len(plans) == n, n
+        assert_same(eager, fast, moe.dtype)
+
+
+def test_two_threads_generating_on_one_model_both_get_the_eager_answers(plans):
+    moe = model_with("int8")
+    prompts = [random_ids(1, 7, seed=10), random_ids(2, 11, seed=11)]
+    eager = [greedy(moe, ids, 8, **EAGER).sequences for ids in prompts]
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                results.setdefault(i, []).append(greedy(moe, prompts[i], 8).sequences)
+        except Exception as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert all(torch.equal(seq, eager[i]) for seq in results[i])
+    assert sum(plan.calls for plan in plans) == 2 * 3 * 7
