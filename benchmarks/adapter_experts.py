@@ -252,7 +252,7 @@ def layer_timings(args) -> dict[str, list[float]]:
             if name.endswith("_lora_B"):
                 p.normal_(0, 0.01)
     experts: AdapterExperts = ours.experts
-    base = experts.base_layer
+    base = experts.dense_mlp
     peft_a = [torch.nn.Parameter(torch.randn(e * r, n) * 0.01) for n in (h, h, i)]
     peft_b = [torch.nn.Parameter(torch.randn(m, e * r) * 0.01) for m in (i, i, h)]
     s = experts.scaling

@@ -45,7 +45,7 @@ from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .decode import decode_step, reset_decode_steps
 from .generation import DecodeCompileConfig, prepare_generate_kwargs
 from .layers import SparseMoeBlock
-from .layers.adapter_experts import AdapterExperts
+from .layers.adapter_experts import AdapterExperts, check_modules_to_save
 from .layers.quantized import int8_expert_targets, int8_lora_message
 from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
@@ -357,6 +357,7 @@ class MoEPreTrainedModel(PreTrainedModel):
             targets = int8_expert_targets(self, getattr(config, "target_parameters", None))
             if targets:
                 raise ValueError(int8_lora_message(targets))
+        check_modules_to_save(self)
         self.__dict__["_peft_config"] = configs
 
     @peft_config.deleter

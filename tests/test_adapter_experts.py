@@ -138,7 +138,7 @@ def test_pesc_block_equals_a_loop_over_its_experts():
     assert (index < 0).any()  # the capacity drops some pairs: they must contribute nothing
     ours = experts(x, index, weights)
 
-    base = experts.base_layer
+    base = experts.dense_mlp
     y = torch.nn.functional.linear(
         torch.nn.functional.silu(x @ base.gate_proj.t()) * (x @ base.up_proj.t()), base.down_proj)
     rows = []
@@ -250,7 +250,7 @@ def test_trainer_with_checkpointing_and_bf16_trains_only_adapters_and_routers_an
     assert _trained_names(before, model) == trainable  # every adapter and router, nothing else
     checkpoint = tmp_path / "run" / "checkpoint-2"
     saved = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
-    assert not any("base_layer" in k or "embed" in k or "self_attn" in k for k in saved)
+    assert not any("dense_mlp" in k or "embed" in k or "self_attn" in k for k in saved)
 
     other = convert_to_moe(dense_dir, num_experts=4, top_k=2, method="lora", rank=4, seed=5)  # other adapters
     Trainer(model=other, args=args, train_dataset=_dataset()).train(resume_from_checkpoint=str(checkpoint))

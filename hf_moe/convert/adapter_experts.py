@@ -33,7 +33,8 @@ from ..checkpoint.guard import load_safetensors
 from ..compat import attn_implementation
 from ..layers import SparseMoeBlock, build_router
 from ..layers.adapter_experts import (
-    ADAPTER_METHODS, LORA_TARGETS, AdapterExperts, adapter_blocks, always_saved, check_adapter_spec,
+    ADAPTER_METHODS, LORA_TARGETS, AdapterExperts, adapter_blocks, always_saved, check_adapter_spec, current_key,
+    fingerprint_key,
 )
 from .adapters import DenseMLP, extract_mlp, find_decoder_layers, find_mlp
 
@@ -91,7 +92,7 @@ def adapter_block(mlp: DenseMLP, config, generator: torch.Generator | None = Non
     with torch.device("meta"):
         block = SparseMoeBlock(config)
     experts: AdapterExperts = block.experts
-    base = experts.base_layer
+    base = experts.dense_mlp
     for name, tensor in (("gate_proj", mlp.gate), ("up_proj", mlp.up), ("down_proj", mlp.down)):
         if tensor is None:
             continue
@@ -132,7 +133,7 @@ def base_fingerprint(model: nn.Module) -> dict[str, Any]:
     for key, tensor in sorted(model.state_dict().items()):
         if always_saved(key, paths):
             continue
-        meta = f"{key}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode()
+        meta = f"{fingerprint_key(key)}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode()
         structure.update(meta)
         values.update(meta)
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -196,6 +197,7 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
         tensors = {}
         for filename in sorted(set(weight_map.values())):
             tensors.update(load_safetensors(directory, filename, INDEX_NAME))
+    tensors = {current_key(k): v for k, v in tensors.items()}  # (the frozen MLP's former name, if the user unfroze it)
     fields = [k for k in list(kwargs) if hasattr(config, k) and k not in ("dtype", "torch_dtype")]
     for name in fields:
         setattr(config, name, kwargs.pop(name))

@@ -69,7 +69,7 @@ def materialize(model_or_path: MoEPreTrainedModel | str | os.PathLike, *, base=N
 def plain_experts(experts: AdapterExperts, config) -> Experts:
     """The `Experts` computing what `experts` (LoRA) computes: [E, 2I, H] gate_up (or [E, I, H] up) and [E, H, I]
     down, each W + s B_e A_e, with the frozen MLP's biases in every expert."""
-    base = experts.base_layer
+    base = experts.dense_mlp
     dtype, device = base.up_proj.dtype, base.up_proj.device
     with torch.device("meta"):
         out = Experts(config)

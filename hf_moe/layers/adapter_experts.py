@@ -37,9 +37,10 @@ frozen projections, and it saves the per-pair gathers and small GEMMs.
 At initialisation B (lora) or U (pesc) is zero: the block computes the dense MLP (times the sum of the routing
 weights, one with renormalised top-k) and the model the dense model's logits, to fp32 rounding.
 
-In memory the frozen MLP is the child `base_layer` (its tensors are the dense model's, not copies), and each adapter
-tensor is one parameter with the expert dimension first (`gate_lora_A` [E, r, H]); on disk each expert has its own
-keys (`...experts.{e}.gate_lora_A` [r, H]) in its own file, as for every hf_moe checkpoint.
+In memory the frozen MLP is the child `dense_mlp` (its tensors are the dense model's, not copies; not `base_layer`, the
+name by which PEFT recognises its own tuner layers, so that a PEFT LoRA around these blocks merges and unloads), and
+each adapter tensor is one parameter with the expert dimension first (`gate_lora_A` [E, r, H]); on disk each expert
+has its own keys (`...experts.{e}.gate_lora_A` [r, H]) in its own file, as for every hf_moe checkpoint.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ SPEC_KEYS = {
     "pesc": ("method", "r", "lora_alpha", "adapter_act", "lora_dropout"),
 }
 BASE_KEYS = ("name_or_path", "dtype", "fingerprint", "structure", "tensors")
+# The child holding the frozen MLP, and its name in checkpoints written before it was renamed (their keys when the user
+# unfroze it, and the key names every base fingerprint hashes).
+DENSE_MLP, LEGACY_DENSE_MLP = "dense_mlp", "base_layer"
 
 
 def check_adapter_spec(spec, glu: bool, name: str = "adapter_experts") -> None:
@@ -140,7 +144,7 @@ class FrozenMLP(nn.Module):
 
 
 class AdapterExperts(nn.Module):
-    """E experts = one frozen MLP (`base_layer`) + per-expert adapters, in place of `Experts` (same forward).
+    """E experts = one frozen MLP (`dense_mlp`) + per-expert adapters, in place of `Experts` (same forward).
 
     Parameters (E experts, H hidden, I intermediate, r rank), each with the expert dimension first:
         lora:  `{role}_lora_A` [E, r, in], `{role}_lora_B` [E, out, r] for role in gate, up, down (the targets)
@@ -178,11 +182,12 @@ class AdapterExperts(nn.Module):
         self.targets = tuple(t for t in LORA_TARGETS if t in spec.get("target_modules", ()))
         self.adapter_act = spec.get("adapter_act")
         self.dropout = nn.Dropout(spec["lora_dropout"]) if spec["lora_dropout"] else nn.Identity()
-        self.base_layer = FrozenMLP(h, i, self.has_gate, self.has_bias)
+        self.dense_mlp = FrozenMLP(h, i, self.has_gate, self.has_bias)
         for name, shape in adapter_shapes(spec, h, i).items():
             self.register_parameter(name, nn.Parameter(torch.empty(e, *shape)))
         self.reset_parameters()
         self.register_load_state_dict_pre_hook(_load_per_expert_keys)  # on-disk per-expert keys (Trainer resume)
+        self.register_load_state_dict_pre_hook(_load_legacy_keys)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """A (and D) uniform in +-1/sqrt(in), as PEFT's LoRA; B (and U) zero."""
@@ -254,11 +259,14 @@ class AdapterExperts(nn.Module):
 
     def _experts(self, ops, x: torch.Tensor, rows: _Rows, dtype) -> torch.Tensor:
         """The computation of the module docstring: x [N, H] -> [N, H] over the (token, expert) pairs `rows`.
-        `dtype`: the autocast dtype, or None. The low-rank products that do not depend on the pair run per token
+        `dtype`: the autocast dtype, or None (x's). The low-rank products that do not depend on the pair run per token
         over all E experts at once (a GEMM of E * r columns, as a plain LoRA of that rank), and each pair picks its
         expert's r columns; those that do, per pair, grouped by expert."""
-        cast = (lambda t: t.to(dtype) if t is not None else None) if dtype is not None else (lambda t: t)
-        base, e, r = self.base_layer, self.num_experts, self.rank
+        # Every weight in the activations' dtype: the autocast one, else x's (fp32 adapters in a 16-bit model run in its
+        # dtype, as under autocast; their gradients stay fp32)
+        dtype = dtype if dtype is not None else x.dtype
+        cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
+        base, e, r = self.dense_mlp, self.num_experts, self.rank
         n = x.shape[0]
         slot = rows.token * e + rows.expert  # [M]: the pair's row in a [N * E, ...] per-token-and-expert view
         weight_sum = rows.combine(rows.weight.unsqueeze(1))  # [N, 1]: the sum of each token's kept weights
@@ -357,6 +365,24 @@ class _WeightedAct(torch.autograd.Function):
         return grad_h, (grad_w if ctx.needs_input_grad[1] else None), None, None, None
 
 
+def current_key(key: str) -> str:
+    """A state-dict key with the frozen MLP's former name (`...experts.base_layer.up_proj`) under its current one."""
+    return key.replace(f".experts.{LEGACY_DENSE_MLP}.", f".experts.{DENSE_MLP}.")
+
+
+def fingerprint_key(key: str) -> str:
+    """The name a state-dict key has in a base fingerprint: the frozen MLP under its former name, so that the
+    fingerprints recorded before the rename still match."""
+    return key.replace(f".experts.{DENSE_MLP}.", f".experts.{LEGACY_DENSE_MLP}.")
+
+
+def _load_legacy_keys(module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+    """`load_state_dict` pre-hook: keys of the frozen MLP under its former name (a checkpoint in which the user had
+    unfrozen it) load into `dense_mlp`."""
+    for key in [k for k in state_dict if k.startswith(f"{prefix}{LEGACY_DENSE_MLP}.")]:
+        state_dict[prefix + DENSE_MLP + key[len(prefix) + len(LEGACY_DENSE_MLP):]] = state_dict.pop(key)
+
+
 def _dense_mlp(x: torch.Tensor, base: FrozenMLP, act_fn, glu: bool, cast) -> torch.Tensor:
     """The frozen MLP on [N, H] -> [N, H]."""
     up = F.linear(x, cast(base.up_proj), cast(base.up_proj_bias))
@@ -389,9 +415,25 @@ def always_saved(key: str, block_paths) -> bool:
     """Whether a state-dict key is one an adapter-expert checkpoint always holds: everything of an MoE block (the
     router, the adapters) but the frozen MLP, which is the base model's."""
     for path in block_paths:
-        if key.startswith(path + ".") and not key.startswith(f"{path}.experts.base_layer."):
+        if key.startswith(path + ".") and not key.startswith(f"{path}.experts.{DENSE_MLP}."):
             return True
     return False
+
+
+def check_modules_to_save(model: nn.Module) -> None:
+    """Refuse a PEFT `modules_to_save` that wrapped adapter experts: PEFT trains and saves a whole copy of each module
+    it names, and adapter experts hold the frozen dense MLP they share (the bulk of the model), so it would be copied,
+    trained and saved into the adapter."""
+    wrapped = [name for name, module in model.named_modules()
+               if isinstance(getattr(module, "original_module", None), AdapterExperts)]
+    if wrapped:
+        raise ValueError(
+            f"modules_to_save names the adapter experts ({wrapped[0]}, ...): PEFT would copy each whole experts "
+            "module, the frozen dense MLP included, then train it and save it into the adapter. Leave `experts` "
+            "out: train the adapter experts with hf_moe (they train after convert_to_moe; save with save_pretrained), "
+            "then put PEFT's LoRA on the saved model; modules_to_save=[\"gate\"] trains the routers "
+            "(docs/adapter-experts.md)."
+        )
 
 
 def trained_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
