@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_moe import MoEConfig, MoEForCausalLM, convert_to_moe
+from hf_moe import MoEConfig, MoEForCausalLM, attach_aux_free, convert_to_moe
 
 # ---------------------------------------------------------------------------------------------------------------
 # Corpus
@@ -271,7 +271,9 @@ def make_optimizer(model, s: Sizes) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    attach_aux_free(model, optimizer)  # an aux_free model's bias moves after each of its steps (nothing for others)
+    return optimizer
 
 
 def batch_offsets(train: torch.Tensor, s: Sizes, seed: int) -> torch.Tensor:

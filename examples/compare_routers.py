@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, TrainingArguments
 
 import hf_moe
 from hf_moe import MoEMonitorCallback, convert_to_moe
@@ -99,8 +99,8 @@ def main() -> None:
             lr_scheduler_type="constant", logging_steps=args.steps, save_strategy="no", report_to=[],
             disable_tqdm=True, seed=args.seed, data_seed=args.seed, dataloader_pin_memory=False,
         )
-        trainer = Trainer(model=moe, args=targs, train_dataset=train_set, callbacks=[monitor],
-                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+        trainer = hf_moe.MoETrainer(model=moe, args=targs, train_dataset=train_set, callbacks=[monitor],
+                                    data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
         t0 = time.perf_counter()
         result = trainer.train()
         seconds = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification
 from .parallel import expert_parallel, parallelize
 from .shrink import ShrinkError, ShrinkResult, shrink  # (the function shadows the subpackage's name here, on purpose)
+from .training.aux_free import attach_aux_free
 from .version import __version__
 
 auto.register()  # the `hf_moe` model type, its weight conversion and experts implementation, with transformers
@@ -65,6 +66,7 @@ __all__ = [
     "StreamingUnsupported",
     "TopKRouter",
     "__version__",
+    "attach_aux_free",
     "convert_adapter",
     "convert_checkpoint",
     "convert_to_moe",

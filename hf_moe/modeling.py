@@ -51,7 +51,6 @@ from .layers.router import AuxFreeRouter
 from .losses import attach_aux_loss
 from .offload import load_offloaded
 from .routing import RoutingStats, moe_blocks, routing_losses, token_mask
-from .training import aux_free
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -128,7 +127,6 @@ class MoEPreTrainedModel(PreTrainedModel):
         super().__init__(config, *args, **kwargs)  # the base architecture, dense MLPs included
         install_moe_blocks(self, config, expert_range=expert_range)  # new blocks initialise themselves
         self.post_init()  # recomputes the tied-weight map and the other per-model properties
-        aux_free.track(self)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
@@ -154,7 +152,6 @@ class MoEPreTrainedModel(PreTrainedModel):
             if getattr(module, "config", None) is old_config:
                 module.config = config
         install_moe_blocks(model, config, blocks)
-        aux_free.track(model)
         return model
 
     @classmethod
@@ -372,8 +369,8 @@ class MoEPreTrainedModel(PreTrainedModel):
     def update_router_biases(self) -> None:
         """Move the selection bias of every aux_free router toward balance, from the loads since the last call.
 
-        Called after each optimizer step automatically (hf_moe/training/aux_free.py); call it yourself only with
-        an optimizer that is not a `torch.optim.Optimizer`.
+        Runs after each step of the optimizer attached to the model (`MoETrainer`'s, or `hf_moe.attach_aux_free`);
+        call it yourself only with an optimizer that is not a `torch.optim.Optimizer`.
         """
         for block in moe_blocks(self):
             if isinstance(block.gate, AuxFreeRouter):

@@ -4,6 +4,7 @@ generation, aux-free balancing with gradient accumulation, user routers, z-loss,
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ import hf_moe
 from hf_moe import MoEForCausalLM, MoEMonitorCallback, Router, RouterOutput, convert_to_moe, register_router
 from hf_moe.layers.router import AuxFreeRouter, capacity_kept
 from hf_moe.routing import moe_blocks
+
+pytestmark = pytest.mark.oldest
 
 ROUTER_TOP_K = {"topk": 2, "noisy_topk": 2, "switch": 1, "gshard": 2, "prototype": 2, "expert_choice": 2,
                 "aux_free": 2}
@@ -31,7 +34,7 @@ def _train(moe, tmp_path, steps=12, **kwargs):
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=8, max_steps=steps, learning_rate=3e-3,
                              logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
                              lr_scheduler_type="constant", seed=0, **kwargs)
-    trainer = Trainer(model=moe, args=args, train_dataset=_data())
+    trainer = hf_moe.MoETrainer(model=moe, args=args, train_dataset=_data())  # (it moves the aux_free biases)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -180,6 +183,7 @@ def test_aux_free_bias_moves_once_per_optimizer_step_with_gradient_accumulation(
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     optimizer = torch.optim.SGD(moe.parameters(), lr=1e-3)
     moe, optimizer = accelerator.prepare(moe, optimizer)
+    hf_moe.attach_aux_free(moe, optimizer)  # Accelerate's wrapper: the torch optimizer inside steps once per 2
     batches = [random_ids(4, 12, seed=s) for s in range(4)]
     bias_history = []
     loads = []
@@ -200,6 +204,77 @@ def test_aux_free_bias_moves_once_per_optimizer_step_with_gradient_accumulation(
     assert load.sum() == 2 * 4 * 12 * 2
     torch.testing.assert_close(bias_history[1], 1e-3 * torch.sign(load.mean() - load))
     assert torch.equal(routers[0].load_since_update, torch.zeros(4))
+
+
+def _aux_free_step(moe, optimizer, seed=0):
+    ids = random_ids(4, 12, seed=seed)
+    moe(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_aux_free_bias_moves_only_after_its_own_optimizers_steps():
+    """The bias update was a hook on every optimizer of the process: a step of any other optimizer holding the router
+    weights (a second optimizer, a probe's) moved this model's bias too. Now only the attached optimizer moves it,
+    once per step however often it is attached."""
+    torch.manual_seed(0)
+    moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free").train()
+    router = moe_blocks(moe)[0].gate
+    trains = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    other = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    handle = hf_moe.attach_aux_free(moe, trains)
+    assert hf_moe.attach_aux_free(moe, trains) is handle  # again: still one update per step
+    _aux_free_step(moe, other)
+    assert torch.equal(router.e_score_correction_bias, torch.zeros(4))  # another optimizer's step: no update
+    assert router.load_since_update.sum() > 0  # (its loads wait for the step of the one attached)
+    load = router.load_since_update.clone()
+    trains.step()
+    torch.testing.assert_close(router.e_score_correction_bias, 1e-3 * torch.sign(load.mean() - load))
+    second = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free").train()
+    second_optimizer = torch.optim.SGD(second.parameters(), lr=1e-3)
+    hf_moe.attach_aux_free(second, second_optimizer)
+    before = router.e_score_correction_bias.clone()
+    _aux_free_step(second, second_optimizer)
+    assert torch.equal(router.e_score_correction_bias, before)  # the second model's optimizer leaves the first alone
+    assert not torch.equal(moe_blocks(second)[0].gate.e_score_correction_bias, torch.zeros(4))
+    handle.remove()
+    _aux_free_step(moe, trains)
+    assert torch.equal(router.e_score_correction_bias, before)
+
+
+def test_aux_free_training_without_an_attached_optimizer_warns(monkeypatch):
+    """Nothing moves the bias of a model whose optimizer was not attached (a plain Trainer, a loop without the call):
+    a warning names the fix instead of balancing that silently stops."""
+    monkeypatch.setattr(AuxFreeRouter, "UNATTACHED_WARN_AFTER", 3)
+    moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free").train()
+    optimizer = torch.optim.SGD(moe.parameters(), lr=1e-3)
+    with pytest.warns(RuntimeWarning, match=r"hf_moe.attach_aux_free\(model, optimizer\)"):
+        for seed in range(3):
+            _aux_free_step(moe, optimizer, seed)
+    attached = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free").train()
+    optimizer = torch.optim.SGD(attached.parameters(), lr=1e-3)
+    hf_moe.attach_aux_free(attached, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(4):
+            _aux_free_step(attached, optimizer, seed)
+
+
+@pytest.mark.slow
+def test_trainers_move_the_aux_free_bias(tmp_path):
+    """MoETrainer attaches the optimizer it trains with (Trainer makes it when training starts); another Trainer
+    (TRL's) attaches its optimizer with one line, as docs/training.md says."""
+    moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free")
+    _train(moe, tmp_path / "moe_trainer", steps=2)
+    assert all(not torch.equal(b.gate.e_score_correction_bias, torch.zeros(4)) for b in moe_blocks(moe))
+    assert all(b.gate.bias_updates_attached for b in moe_blocks(moe))
+    plain = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_type="aux_free")
+    args = TrainingArguments(str(tmp_path / "plain"), per_device_train_batch_size=8, max_steps=2, report_to=[],
+                             save_strategy="no", disable_tqdm=True, use_cpu=True)
+    trainer = Trainer(model=plain, args=args, train_dataset=_data())
+    hf_moe.attach_aux_free(plain, trainer.create_optimizer())
+    trainer.train()
+    assert all(not torch.equal(b.gate.e_score_correction_bias, torch.zeros(4)) for b in moe_blocks(plain))
 
 
 def test_aux_free_bias_changes_selection_not_weights():

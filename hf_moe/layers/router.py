@@ -368,8 +368,10 @@ class AuxFreeRouter(Router):
 
     The bias is not trained by gradient: after each optimizer step it moves by `router_bias_update_rate` toward
     balance, b_e += rate * sign(mean load - load_e), using the loads of every micro-batch since the previous step
-    (summed over processes when torch.distributed is initialised). `hf_moe` calls `update_bias` after each
-    optimizer step by itself (see hf_moe/training/aux_free.py).
+    (summed over processes when torch.distributed is initialised). `update_bias` runs after each step of the
+    optimizer attached to the model: `MoETrainer` attaches its own; a plain loop calls
+    `hf_moe.attach_aux_free(model, optimizer)` (hf_moe/training/aux_free.py). Training without either warns once
+    after `UNATTACHED_WARN_AFTER` forwards whose loads no update took.
     """
 
     def __init__(self, config):
@@ -377,6 +379,8 @@ class AuxFreeRouter(Router):
         self.bias_update_rate = config.router_bias_update_rate
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
         self.register_buffer("load_since_update", torch.zeros(config.num_experts), persistent=False)
+        self.bias_updates_attached = False  # an optimizer moves the bias after its steps (hf_moe.attach_aux_free)
+        self._records_since_update = 0  # training forwards whose loads wait for an update (counted when unattached)
 
     def route(self, hidden_states):
         logits = self.logits(hidden_states)
@@ -388,9 +392,23 @@ class AuxFreeRouter(Router):
         probs = scores / scores.sum(dim=-1, keepdim=True)
         return RouterOutput(logits, probs, index, weights)
 
+    UNATTACHED_WARN_AFTER = 64
+
     @torch.no_grad()
     def record_load(self, load: torch.Tensor) -> None:
         self.load_since_update += load.to(self.load_since_update.dtype)
+        if not self.bias_updates_attached and not torch.compiler.is_compiling():  # (a compiled step does not count)
+            self._records_since_update += 1
+            if self._records_since_update == self.UNATTACHED_WARN_AFTER:
+                warnings.warn(
+                    f"hf_moe: {self._records_since_update} training forwards and the aux_free routers' selection bias "
+                    "has not moved: it moves after the steps of the optimizer attached to the model. MoETrainer "
+                    "attaches its own; in a plain loop or another Trainer (TRL's), call "
+                    "hf_moe.attach_aux_free(model, optimizer) once before training (with an optimizer that is not a "
+                    "torch.optim.Optimizer, call model.update_router_biases() after each of its steps).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -400,3 +418,4 @@ class AuxFreeRouter(Router):
         if load.sum() > 0:
             self.e_score_correction_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.load_since_update.zero_()
+        self._records_since_update = 0

@@ -10,6 +10,9 @@ reduction: MoETrainer tells Trainer so (as for a model `from_pretrained(distribu
 Trainer then neither wraps it in DDP nor shards it again, clips with `torch.nn.utils.clip_grad_norm_` on its one
 mesh, and calls `save_pretrained` on every process (each writes its own experts). The plain Trainer runs such a
 model too, with checkpoints of the weights only (`save_only_model=True`); it refuses to checkpoint its optimizer.
+
+The aux_free routers' selection bias moves after each step of the optimizer MoETrainer trains with
+(`attach_aux_free`, done when training begins, whoever made the optimizer).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..checkpoint import recover_interrupted_commit
 from ..compat import TRANSFORMERS_VERSION, trainer_supports_sharded_models
@@ -29,6 +32,7 @@ from ..parallel.training_state import (
     read_training_state_meta,
     save_training_state,
 )
+from .aux_free import attach_aux_free
 
 TRAINING_STATE_DIR = "training_state"
 
@@ -60,6 +64,14 @@ def _trainer_checkpoints_optimizer(model):
             model._is_distributed_loading_by_transformers = True
 
 
+class _AttachAuxFree(TrainerCallback):
+    """Attaches the optimizer Trainer trains with (made by then, or passed in) to the model's aux_free routers."""
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is not None and optimizer is not None:
+            attach_aux_free(model, optimizer)
+
+
 class MoETrainer(Trainer):
     """A `transformers.Trainer` with resharding training checkpoints and hf_moe's sharding (see the module doc)."""
 
@@ -76,6 +88,7 @@ class MoETrainer(Trainer):
             )
         with _trainer_checkpoints_optimizer(model) as sharded:
             super().__init__(model, args, *more, **kwargs)
+        self.add_callback(_AttachAuxFree)
         # transformers < 5.23's Trainer has no such attribute (and refuses sharded models above).
         self.is_distributed_loading_by_transformers = sharded or getattr(
             self, "is_distributed_loading_by_transformers", False
