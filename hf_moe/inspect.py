@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .checkpoint import EXPERT_KEY, INDEX_NAME, load_tokenizer, read_index, read_json, reading, validate_checkpoint
 from .checkpoint.headers import read_header
+from .inputs import token_ids
 from .model_card import block_diff_text
 
 
@@ -147,9 +148,11 @@ def format_summary(summary: CheckpointSummary, directory: str | Path) -> str:
 # Routing over a text file
 # --------------------------------------------------------------------------------------------------------------
 def _read_ids(tokenizer, data_file: Path, max_tokens: int) -> list[int]:
+    """The first `max_tokens` tokens of the file, read and tokenized piece by piece until there are that many (the
+    rest of the file is never read: `hf_moe.inputs.token_ids`)."""
     if not data_file.is_file():
         raise FileNotFoundError(f"--data {data_file}: no such file.")
-    ids = tokenizer(data_file.read_text(errors="replace"))["input_ids"][:max_tokens]
+    ids = token_ids(data_file, tokenizer, max_tokens, "--data", records=False)
     if not ids:
         raise ValueError(f"{data_file} has no text to route.")
     return ids
@@ -164,6 +167,9 @@ def _route_files(directory, data_files, max_tokens: int, block_size: int):
 
     files = [Path(f) for f in ([data_file for data_file in data_files] if isinstance(data_files, (list, tuple))
                                else [data_files])]
+    for name, value in (("max_tokens", max_tokens), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"--data {f}: no such file.")

@@ -41,7 +41,7 @@ OPTIONS: dict[str, Any] = {
     "dtype": None,  # torch dtype (or its name) to convert in
     "verify": True,  # measure the logit difference to the dense model on a random probe
     "partition": "kmeans",  # split: random | kmeans | coactivation
-    "calibration_data": None,  # split + coactivation: local .txt/.json/.jsonl read with `datasets`
+    "calibration_data": None,  # split + coactivation: local .txt/.json/.jsonl, read only as far as calibration_tokens
     "calibration_tokens": 2048,
     "tokenizer": None,  # for calibration_data when the model is passed as an object
     # lora / pesc: adapter experts (convert/adapter_experts.py); `r` is the PEFT name of `rank`

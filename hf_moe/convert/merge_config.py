@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..configuration import _brief, _cut
+from ..inputs import InputFileError, read_limited
 
 GATE_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed", "random", "uniform_random", "calibration")
 PROMPT_MODES = ("hidden", "hidden_avg", "hidden_last", "cheap_embed")
@@ -53,6 +54,7 @@ ROUTER_FIELDS = (
 # 700-byte file expand to billions (an "alias bomb"), which any traversal (a message's repr, a copy) would then pay.
 MAX_RECIPE_VALUES = 100_000
 MAX_DEPTH = 64
+MAX_RECIPE_BYTES = 8 << 20  # the YAML file, refused above this before it is read (its values cannot fill more)
 # noise_scale and residual_scale above this are absurd (mergekit's are ~0.01 and <= 1): past it, weights overflow.
 MAX_SCALE = 1000.0
 SEED_RANGE = 2**64  # torch.Generator.manual_seed takes 0 <= seed < 2**64
@@ -150,7 +152,12 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"No merge config at {str(path)!r}: the file does not exist.")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_bounded_loader())  # (yaml.safe_load's loader)
+        text = read_limited(path, "The merge config", MAX_RECIPE_BYTES, "a recipe names a few models and prompts; "
+                            "give long calibration text as experts[].calibration_data files.")
+    except InputFileError as err:
+        raise MergeConfigError(str(err)) from None
+    try:
+        data = yaml.load(text.decode("utf-8"), Loader=_bounded_loader())  # (yaml.safe_load's loader)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise MergeConfigError(f"{path} is not valid YAML: {_cut(str(err), 400)}") from None
     except _TooDeep:

@@ -128,35 +128,23 @@ def split_block(
 
 
 def calibration_text(path, tokenizer, max_tokens: int) -> torch.Tensor:
-    """The first `max_tokens` tokens of a local .txt / .json / .jsonl file (a `text` field), read with
-    `datasets`, as one row [1, T]."""
+    """The first `max_tokens` tokens of a local .txt / .json / .jsonl file (a `text` field), as one row [1, T]: read
+    and tokenized piece by piece until there are that many (`hf_moe.inputs.token_ids`; the rest is never read)."""
     import os
 
-    from datasets import load_dataset
+    from ..inputs import TEXT_KINDS, token_ids
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"calibration_data {path!r} is not a file.")
-    kind = {".txt": "text", ".json": "json", ".jsonl": "json"}.get(os.path.splitext(path)[1])
-    if kind is None:
+    if os.path.splitext(path)[1].lower() not in TEXT_KINDS:
         raise ValueError(f"calibration_data must be a .txt, .json or .jsonl file, got {path!r}.")
     if os.path.getsize(path) == 0:
         raise ValueError(f"calibration_data {path!r} is empty: give it text (a .txt file, or .json/.jsonl records "
                          "with a `text` field).")
-    try:
-        data = load_dataset(kind, data_files=str(path), split="train")
-    except Exception as err:  # noqa: BLE001 - datasets' DatasetGenerationError and kin: name the file
-        raise ValueError(f"calibration_data {path!r} cannot be read as {kind} ({type(err).__name__}: "
-                         f"{str(err)[:300]}).") from None
-    if "text" not in data.column_names:
-        raise ValueError(f"{path} has no `text` field (columns: {data.column_names}).")
-    ids: list[int] = []
-    for text in data["text"]:
-        ids.extend(tokenizer(text)["input_ids"])
-        if len(ids) >= max_tokens:
-            break
+    ids = token_ids(path, tokenizer, max_tokens, "calibration_data")
     if len(ids) < 16:
         raise ValueError(f"{path} gives only {len(ids)} tokens; calibration needs at least 16: give it more text.")
-    return torch.tensor([ids[:max_tokens]])
+    return torch.tensor([ids])
 
 
 @torch.no_grad()

@@ -117,7 +117,9 @@ def shrink(
     Returns:
         A `ShrinkResult`. top-k is lowered to `keep` where it was larger (said in the result and on stderr).
     Raises:
-        ShrinkError (a ValueError): keep out of range, calibration text too short, a model that is not an MoE.
+        ShrinkError (a ValueError): keep out of range, calibration text too short or not text, a model that is not an
+            MoE, or one whose experts are not plain (adapter experts: `hf-moe materialize` first), whose tensors do
+            not have the sizes its config gives, or whose weights are not all finite.
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -127,8 +129,10 @@ def shrink(
     if method == "loss" and scope != "layer":
         raise ShrinkError("method='loss' chooses each layer's experts (scope='layer'); for one set in every layer use "
                           "method='reconstruction' with scope='global'.")
-    if not isinstance(search_candidates, int) or isinstance(search_candidates, bool) or search_candidates < 1:
-        raise ShrinkError(f"search_candidates must be a positive integer, got {search_candidates!r}.")
+    for name, value in (("search_candidates", search_candidates), ("calibration_tokens", calibration_tokens),
+                        ("seq_len", seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ShrinkError(f"{name} must be a positive integer, got {value!r}.")
     src = Path(model)
     if same_directory(src, out):
         raise ShrinkError(f"The output directory {out} is the model {src}: write the shrunk model elsewhere.")

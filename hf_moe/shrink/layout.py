@@ -27,6 +27,7 @@ from transformers import PreTrainedConfig
 from ..checkpoint import checkpoint_config, read_json
 from ..compat import CONFIG_MAPPING
 from ..configuration import MoEConfig
+from ..convert.adapters import all_finite
 from ..convert.stream import _SafetensorsSource
 
 
@@ -104,11 +105,22 @@ class MoELayout:
         """The tensor of in-memory key `key` (fused experts stacked from their per-expert keys on disk)."""
         layer, rest = self._moe_part(key)
         if layer is None:
-            return self.source.read(key)
+            return self.read_stored(key)
         if rest.startswith("experts.") and rest.count(".") == 1:
             name = rest.split(".", 1)[1]
             return torch.stack([self._read_expert(layer, e, name) for e in range(self.num_experts)])
-        return self.source.read(self.disk_prefix(layer) + rest)
+        return self.read_stored(self.disk_prefix(layer) + rest)
+
+    def read_stored(self, key: str) -> torch.Tensor:
+        """The tensor of on-disk key `key`; a `ShrinkError` naming it when it holds a NaN or an infinity, which would
+        be chosen from, merged and written as if it were a number."""
+        tensor = self.source.read(key)
+        if not all_finite(tensor):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ShrinkError(f"{self.source.directory}: {key} holds {bad} NaN or infinite value(s) of "
+                              f"{tensor.numel()}: a model computing with it is broken (training diverged, or the file "
+                              "is damaged). Shrink an earlier checkpoint whose weights are finite.")
+        return tensor
 
     def _moe_part(self, key: str) -> tuple[int | None, str]:
         """(MoE layer, the key's rest inside the block), or (None, key) outside the MoE blocks."""
@@ -120,12 +132,12 @@ class MoELayout:
     def _read_expert(self, layer: int, e: int, name: str) -> torch.Tensor:
         prefix = f"{self.disk_prefix(layer)}experts.{e}."
         if not self.is_native:
-            return self.source.read(prefix + name)
+            return self.read_stored(prefix + name)
         f = self.family
         if name == "gate_up_proj":
-            return torch.cat([self.source.read(f"{prefix}{f.gate}.weight"), self.source.read(f"{prefix}{f.up}.weight")])
+            return torch.cat([self.read_stored(f"{prefix}{f.gate}.weight"), self.read_stored(f"{prefix}{f.up}.weight")])
         if name == "down_proj":
-            return self.source.read(f"{prefix}{f.down}.weight")
+            return self.read_stored(f"{prefix}{f.down}.weight")
         raise ShrinkError(f"{self.kind} experts have no parameter {name!r}.")
 
     # ------------------------------------------------------------------------------------------------ writing
@@ -220,6 +232,16 @@ def _not_moe(directory: Path, model_type, fields: dict) -> str:
 
 def _hf_moe_layout(directory: Path) -> MoELayout:
     config = checkpoint_config(directory)
+    adapters = (config.adapter_experts or {}).get("method")
+    if adapters == "lora":
+        raise ShrinkError(f"{directory} holds lora adapter experts (a frozen MLP plus a low-rank adapter per expert), "
+                          "and shrinking reads plain experts: run `hf-moe materialize "
+                          f"{directory} MATERIALIZED` (hf_moe.materialize) first, then shrink MATERIALIZED.")
+    if adapters is not None:
+        raise ShrinkError(f"{directory} holds {adapters} adapter experts, and shrinking reads plain experts, which "
+                          f"`hf-moe materialize` makes from lora adapter experts only ({adapters} ones compute "
+                          "something no plain expert does). Convert the dense model with method='lora', train, run "
+                          "`hf-moe materialize`, then shrink; or shrink an upcycled model.")
     if getattr(config, "expert_quantization", None):
         raise ShrinkError(f"{directory} holds int8 experts: shrink the checkpoint they were quantized from, then "
                           "quantize the result (hf_moe.quantize_experts).")
@@ -248,14 +270,19 @@ def _native_layout(directory: Path, model_type: str, fields: dict) -> MoELayout:
     layers_path = found[0][0]
     layout = MoELayout(model_type, config, source, layers_path, "mlp", family.disk_block,
                        sorted(layer for _, layer in found), ("gate_up_proj", "down_proj"), family)
-    e = layout.num_experts
+    e, hidden = layout.num_experts, config.hidden_size
+    inner_field = "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None) else "intermediate_size"
+    inner = getattr(config, inner_field)  # (Qwen: the experts' own size, beside the dense layers')
+    sizes = f"{family.experts_field}={e}, hidden_size={hidden}, {inner_field}={inner}"
     for layer in layout.moe_layers:
         router = f"{layout.disk_prefix(layer)}gate.weight"
         if source.entries[router].shape[0] != e:
             raise ShrinkError(f"{directory}: {router} has {source.entries[router].shape[0]} rows, but config.json "
                               f"says {family.experts_field}={e}: the checkpoint is inconsistent.")
+        _check_shape(directory, source, router, (e, hidden), sizes)
         for i in range(e):
-            for name in (family.gate, family.up, family.down):
+            for name, shape in ((family.gate, (inner, hidden)), (family.up, (inner, hidden)),
+                                (family.down, (hidden, inner))):
                 key = f"{layout.disk_prefix(layer)}experts.{i}.{name}.weight"
                 if key not in source.entries:
                     raise ShrinkError(
@@ -263,4 +290,15 @@ def _native_layout(directory: Path, model_type: str, fields: dict) -> MoELayout:
                         f"save_pretrained writes for {model_type} (a fused or other layout: load the model and save "
                         "it with transformers 5 first)."
                     )
+                _check_shape(directory, source, key, shape, sizes)
     return layout
+
+
+def _check_shape(directory: Path, source: _SafetensorsSource, key: str, shape: tuple[int, ...], sizes: str) -> None:
+    """On-disk tensor `key` is floating point and of `shape`, which config.json's `sizes` imply."""
+    entry = source.entries[key]
+    if tuple(entry.shape) != shape or not entry.dtype.is_floating_point:
+        raise ShrinkError(f"{directory}: {key} is a {str(entry.dtype).removeprefix('torch.')} tensor of shape "
+                          f"{list(entry.shape)}, but config.json ({sizes}) implies a floating-point one of shape "
+                          f"{list(shape)}: the checkpoint is inconsistent (a damaged or edited file, or another "
+                          "model's config.json).")

@@ -59,7 +59,7 @@ class ShrunkWriter:
     def copy_unchanged(self) -> None:
         """Every tensor that shrinking does not touch, read from the source and written as it is."""
         for key in self.layout.copied_keys():
-            self.writer.write(key, self.layout.source.read(key))
+            self.writer.write(key, self.layout.read_stored(key))
 
     def write_layer(self, layer: int, router: dict[str, torch.Tensor], experts: dict[str, torch.Tensor]) -> None:
         """MoE layer `layer`'s router state ({name: [keep, ...]}) and fused expert tensors ({name: [keep, ...]}),
