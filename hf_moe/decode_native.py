@@ -136,7 +136,7 @@ def layer_fields(layer, dtype: torch.dtype) -> tuple[dict, dict]:
         "router": block.gate.weight,
         **experts,
     }
-    numbers = {"eps": layer.input_layernorm.variance_epsilon,
+    numbers = {"head_dim": attention.head_dim, "eps": layer.input_layernorm.variance_epsilon,
                "qk_eps": 1e-6 if q_norm is None else q_norm.variance_epsilon, "scaling": attention.scaling,
                "post_eps": layer.post_attention_layernorm.variance_epsilon}
     return tensors, numbers
@@ -176,6 +176,9 @@ class DecodePlan:
     [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V]."""
 
     def __init__(self, model, fields: list[tuple[dict, dict]] | None = None):
+        if load_extension()[0] is None:  # registers torch.classes.hf_moe.DecodePlan
+            raise RuntimeError("the one-op decode step needs hf_moe's compiled extension (`python -m hf_moe.env` "
+                               "says why it is not loaded)")
         fields = _fields(model) if fields is None else fields
         self.model = model
         self.key = fingerprint(fields)
@@ -184,7 +187,11 @@ class DecodePlan:
         (tensors, settings), layers = fields[0], fields[1:]
         self.settings = settings
         self.rotary = None  # (cache length, cos [L, D], sin [L, D])
-        self.op = _flat_plan(tensors, settings, layers, self.dtype)
+        self.op = torch.classes.hf_moe.DecodePlan(
+            _present(tensors), {"final_eps": float(settings["final_eps"])}, settings["top_k"],
+            settings["norm_topk_prob"], settings["activation"], settings["glu"])
+        for layer_tensors, numbers in layers:  # checked once here, by name (csrc/cpu/decode_step_cpu.cpp, LayerPlan)
+            self.op.add_layer(_present(layer_tensors), {k: float(v) for k, v in numbers.items()})
 
     def _rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, D] of positions 0 .. length - 1, from the model's rotary module (what it gives for
@@ -201,29 +208,13 @@ class DecodePlan:
                  cache: list) -> torch.Tensor:
         keys, values, lengths = zip(*cache)
         cos, sin = self._rotary(keys[0].shape[2])
-        return self.op(input_ids, position_ids, mask, cos, sin, list(keys), list(values), list(lengths))
+        with torch.no_grad():  # inference only: the step writes into its own buffers (out= kernels)
+            return self.op.step(input_ids, position_ids, mask, cos, sin, list(keys), list(values), list(lengths))
 
 
-def _flat_plan(tensors: dict, settings: dict, layers: list, dtype: torch.dtype):
-    """The step over the op's positional arguments (until the plan is a C++ object)."""
-    order = ["input_norm", "q.weight", "q.scale", "q.bias", "k.weight", "k.scale", "k.bias", "v.weight", "v.scale",
-             "v.bias", "o.weight", "o.scale", "o.bias", "q_norm", "k_norm", "post_norm", "router", "w1", "w1_scale",
-             "b1", "w2", "w2_scale", "b2"]
-    flat, floats = [], []
-    for t, n in layers:
-        t = dict(t, router=t["router"].float(), w1=t["w1"].contiguous(), w2=t["w2"].contiguous(),
-                 b1=None if t["b1"] is None else t["b1"].to(dtype), b2=None if t["b2"] is None else t["b2"].to(dtype))
-        flat += [t[name] for name in order]
-        floats += [n["eps"], n["qk_eps"], n["scaling"], n["post_eps"]]
-
-    def step(input_ids, position_ids, mask, cos, sin, keys, values, lengths):
-        return torch.ops.hf_moe.decode_step(
-            input_ids, position_ids, mask, tensors["embed"], cos, sin, flat, floats, keys, values, lengths,
-            tensors["final_norm"], settings["final_eps"], tensors["lm_head.weight"], tensors["lm_head.scale"],
-            tensors["lm_head.bias"], settings["top_k"], settings["norm_topk_prob"], settings["activation"],
-            settings["glu"])
-
-    return step
+def _present(tensors: dict) -> dict:
+    """The tensors the layer has (the op's dicts leave out what a layer does not have)."""
+    return {name: t for name, t in tensors.items() if t is not None}
 
 
 def plan_for(model) -> DecodePlan:

@@ -198,3 +198,30 @@ def test_two_threads_generating_on_one_model_both_get_the_eager_answers(plans):
     for i in range(2):
         assert all(torch.equal(seq, eager[i]) for seq in results[i])
     assert sum(plan.calls for plan in plans) == 2 * 3 * 7
+
+
+def test_the_plan_names_its_fields_and_refuses_missing_or_misfit_ones():
+    """The plan's fields cross into C++ by name, checked once when the plan is built (not at every step)."""
+    from hf_moe.decode_native import layer_fields, model_fields
+
+    moe = model_with("int8")
+    tensors, settings = model_fields(moe)
+    layer, numbers = layer_fields(moe.model.layers[0], torch.float32)
+    assert {"input_norm", "q.weight", "k.bias", "router", "w1", "w2_scale"} <= set(layer)
+    assert set(numbers) == {"head_dim", "eps", "qk_eps", "scaling", "post_eps"}
+
+    def build(layer_tensors):
+        plan = torch.classes.hf_moe.DecodePlan(
+            {k: v for k, v in tensors.items() if v is not None}, {"final_eps": settings["final_eps"]},
+            settings["top_k"], settings["norm_topk_prob"], settings["activation"], settings["glu"])
+        plan.add_layer({k: v for k, v in layer_tensors.items() if v is not None}, {k: float(v) for k, v in
+                                                                                  numbers.items()})
+        return plan
+
+    assert build(layer).num_layers() == 1
+    with pytest.raises(RuntimeError, match="layer 0 has no tensor q.weight"):
+        build({k: v for k, v in layer.items() if k != "q.weight"})
+    with pytest.raises(RuntimeError, match="projection shapes do not fit"):
+        build(dict(layer, **{"o.weight": layer["o.weight"][:, :-2].contiguous()}))
+    with pytest.raises(RuntimeError, match="router weight must be"):
+        build(dict(layer, router=layer["router"][:, :-1]))

@@ -175,6 +175,8 @@ def test_bad_arguments_are_refused_with_what_is_wrong():
     layers = static_cache_layers(cache)
     ids, positions = torch.tensor([[5]]), torch.tensor([[4]])
     plan(ids, positions, None, layers)  # fine
+    with pytest.raises(RuntimeError, match="has 3 layers; got caches of 2 keys"):
+        plan(ids, positions, None, layers[:2])
     with pytest.raises(RuntimeError, match="one token per row"):
         plan(torch.tensor([[5, 6]]), torch.tensor([[4, 5]]), None, layers)
     with pytest.raises((IndexError, RuntimeError)):  # a position past the cache (and its rotary table)
@@ -223,6 +225,7 @@ def test_weights_asked_onto_huge_pages_keep_their_values_and_addresses():
         assert done >= 2 * HUGE_PAGE
 
 
+@pytest.mark.subprocess
 def test_the_huge_pages_benchmark_runs_and_prints_its_table(tmp_path):
     """benchmarks/huge_pages.py on a tiny saved model: both copies decode, the table is printed."""
     import os

@@ -45,15 +45,7 @@ constexpr int64_t kMaxDecodeRows = 16;  // activation rows up to which linear_in
 constexpr int64_t kRowBlock = 16;       // weight rows per parallel task
 constexpr int64_t kMinChunk = 16;       // cache positions per attention task, at least
 
-// A linear layer's weight [O, K] (fp32, bf16, or int8 with fp32 scales) and optional bias [O].
-struct LinearWeight {
-  const char* data = nullptr;
-  at::ScalarType dtype = at::kFloat;
-  int64_t out = 0, k = 0;
-  const float* scale = nullptr;
-  int64_t ld_scale = 1, group = 1;
-  at::Tensor bias;  // fp32, contiguous, or undefined
-};
+}  // namespace
 
 LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                            const c10::optional<at::Tensor>& bias, const char* name) {
@@ -85,12 +77,16 @@ LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>&
   } else {
     TORCH_CHECK(!scale.has_value(), name, ": scales are given but the weight is ", t, ", not int8");
   }
-  if (bias.has_value()) {
+  if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == lw.out, name, ": the bias must have ", lw.out, " values, got ", bias->sizes());
     lw.bias = bias->to(at::kFloat).contiguous();
   }
+  lw.weight = w;
+  if (scale.has_value()) lw.scale_tensor = *scale;
   return lw;
 }
+
+namespace {
 
 // out[m * ldo + j] = x_m . w_(r0 + j) for j < cols <= kTile and the n activation rows: fp32 rows `xf` for fp32 and
 // int8 weights, bf16 rows `xb` (bits) for bf16 weights, both with row stride w.k.
@@ -254,61 +250,95 @@ void attend_chunk(const Kernels& kn, const AttentionKernels& ak, bool bf16, cons
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
-    const at::Tensor& hidden, const at::Tensor& input_norm, double eps, const at::Tensor& wq,
-    const c10::optional<at::Tensor>& wq_scale, const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
-    const c10::optional<at::Tensor>& wk_scale, const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
-    const c10::optional<at::Tensor>& wv_scale, const c10::optional<at::Tensor>& bv, const at::Tensor& wo,
-    const c10::optional<at::Tensor>& wo_scale, const c10::optional<at::Tensor>& bo,
-    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
-    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& position,
-    const c10::optional<at::Tensor>& mask, double scaling, const at::Tensor& post_norm, double post_eps,
-    c10::string_view kernels) {
+AttentionWeights attention_weights(at::ScalarType dt, int64_t head_dim, const at::Tensor& input_norm, double eps,
+                                   const at::Tensor& wq, const c10::optional<at::Tensor>& wq_scale,
+                                   const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+                                   const c10::optional<at::Tensor>& wk_scale, const c10::optional<at::Tensor>& bk,
+                                   const at::Tensor& wv, const c10::optional<at::Tensor>& wv_scale,
+                                   const c10::optional<at::Tensor>& bv, const at::Tensor& wo,
+                                   const c10::optional<at::Tensor>& wo_scale, const c10::optional<at::Tensor>& bo,
+                                   const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                   double qk_eps, double scaling, const at::Tensor& post_norm, double post_eps) {
   const char* op = "decode_attention_block";
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), op, ": hidden must be a contiguous [B, H], got ",
-              hidden.sizes());
-  const auto dt = hidden.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": activations must be fp32 or bf16, got ", dt);
+  AttentionWeights w;
+  w.dtype = dt;
+  w.q = linear_weight(wq, wq_scale, bq, "decode_attention_block (q)");
+  w.k = linear_weight(wk, wk_scale, bk, "decode_attention_block (k)");
+  w.v = linear_weight(wv, wv_scale, bv, "decode_attention_block (v)");
+  w.o = linear_weight(wo, wo_scale, bo, "decode_attention_block (o)");
+  const int64_t d = head_dim;
+  TORCH_CHECK(d > 0 && d % 2 == 0 && w.q.out % d == 0 && w.k.out % d == 0, op, ": head_dim ", d,
+              " must be even and divide the q and k projections' outputs (", w.q.out, ", ", w.k.out, ")");
+  w.head_dim = d;
+  w.hidden = w.q.k;
+  w.q_heads = w.q.out / d;
+  w.kv_heads = w.k.out / d;
+  TORCH_CHECK(w.kv_heads > 0 && w.q_heads % w.kv_heads == 0 && w.v.out == w.kv_heads * d && w.k.k == w.hidden &&
+                  w.v.k == w.hidden && w.o.k == w.q_heads * d && w.o.out == w.hidden,
+              op, ": projection shapes do not fit hidden ", w.hidden, ", ", w.kv_heads, " kv heads of ", d, ": q ",
+              wq.sizes(), ", k ", wk.sizes(), ", v ", wv.sizes(), ", o ", wo.sizes());
+  for (const auto* lw : {&w.q, &w.k, &w.v, &w.o})
+    TORCH_CHECK(lw->dtype == at::kChar || lw->dtype == dt, op, ": weights must be ", dt, " or int8, got ", lw->dtype);
+  for (const auto* n : {&input_norm, &post_norm})
+    TORCH_CHECK(n->numel() == w.hidden && n->is_contiguous() && n->scalar_type() == dt, op,
+                ": norm weights must be contiguous [H] tensors of the activations' dtype");
+  for (const auto* n : {&q_norm, &k_norm})
+    TORCH_CHECK(!n->has_value() || !(*n)->defined() ||
+                    ((*n)->numel() == d && (*n)->is_contiguous() && (*n)->scalar_type() == dt),
+                op, ": q/k norm weights must be contiguous [head_dim] tensors of the activations' dtype");
+  w.input_norm = input_norm;
+  w.post_norm = post_norm;
+  if (q_norm.has_value()) w.q_norm = *q_norm;
+  if (k_norm.has_value()) w.k_norm = *k_norm;
+  w.eps = eps;
+  w.qk_eps = qk_eps;
+  w.scaling = scaling;
+  w.post_eps = post_eps;
+  return w;
+}
+
+namespace {
+template <typename T>
+T* grown(std::vector<T>& v, int64_t n) {  // the buffer, grown to n values if smaller (never shrunk: reused)
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+}  // namespace
+
+void attention_block(const AttentionWeights& w, const at::Tensor& hidden, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                     const c10::optional<at::Tensor>& mask, c10::string_view kernels, AttentionWorkspace& ws,
+                     at::Tensor& out_hidden, at::Tensor& out_normed) {
+  const char* op = "decode_attention_block";
+  const auto dt = w.dtype;
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.size(1) == w.hidden && hidden.scalar_type() == dt,
+              op, ": hidden must be a contiguous [B, ", w.hidden, "] tensor of ", dt, ", got ", hidden.sizes(), " ",
+              hidden.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-              op, ": the caches must be contiguous [B, kv_heads, L, head_dim] tensors of the activations' dtype, got ",
-              k_cache.sizes(), " ", k_cache.scalar_type());
-  AttentionShape sh{hidden.size(0), hidden.size(1), 0, k_cache.size(1), k_cache.size(3), k_cache.size(2)};
-  TORCH_CHECK(k_cache.size(0) == sh.batch, op, ": the cache holds ", k_cache.size(0), " rows, the batch has ",
-              sh.batch);
-  const LinearWeight lq = linear_weight(wq, wq_scale, bq, "decode_attention_block (q)");
-  const LinearWeight lk = linear_weight(wk, wk_scale, bk, "decode_attention_block (k)");
-  const LinearWeight lv = linear_weight(wv, wv_scale, bv, "decode_attention_block (v)");
-  const LinearWeight lo = linear_weight(wo, wo_scale, bo, "decode_attention_block (o)");
+                  v_cache.is_contiguous() && k_cache.scalar_type() == dt && v_cache.scalar_type() == dt &&
+                  k_cache.size(0) == hidden.size(0) && k_cache.size(1) == w.kv_heads && k_cache.size(3) == w.head_dim,
+              op, ": the caches must be contiguous [B, ", w.kv_heads, ", L, ", w.head_dim,
+              "] tensors of the activations' dtype for a batch of ", hidden.size(0), ", got ", k_cache.sizes(), " ",
+              k_cache.scalar_type());
+  AttentionShape sh{hidden.size(0), w.hidden, w.q_heads, w.kv_heads, w.head_dim, k_cache.size(2)};
   const int64_t d = sh.head_dim;
-  sh.q_heads = lq.out / d;
-  TORCH_CHECK(lq.out % d == 0 && sh.q_heads % sh.kv_heads == 0 && lk.out == sh.kv_heads * d &&
-                  lv.out == sh.kv_heads * d && lq.k == sh.hidden && lk.k == sh.hidden && lv.k == sh.hidden &&
-                  lo.k == sh.q_heads * d && lo.out == sh.hidden,
-              op, ": projection shapes do not fit hidden ", sh.hidden, ", ", sh.kv_heads, " kv heads of ", d,
-              ": q ", wq.sizes(), ", k ", wk.sizes(), ", v ", wv.sizes(), ", o ", wo.sizes());
-  for (const auto* w : {&lq, &lk, &lv, &lo})
-    TORCH_CHECK(w->dtype == at::kChar || w->dtype == dt, op, ": weights must be ", dt, " or int8, got ", w->dtype);
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({sh.batch, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt,
               op, ": cos and sin must be contiguous [B, head_dim] tensors of the activations' dtype, got ",
               cos.sizes());
-  for (const auto* w : {&input_norm, &post_norm})
-    TORCH_CHECK(w->numel() == sh.hidden && w->is_contiguous() && w->scalar_type() == dt, op,
-                ": norm weights must be contiguous [H] tensors of the activations' dtype");
-  for (const auto* w : {&q_norm, &k_norm})
-    TORCH_CHECK(!w->has_value() || ((*w)->numel() == d && (*w)->is_contiguous() && (*w)->scalar_type() == dt), op,
-                ": q/k norm weights must be contiguous [head_dim] tensors of the activations' dtype");
-  TORCH_CHECK(position.numel() == 1 && position.scalar_type() == at::kLong, op,
-              ": position must be one int64 value");
-  const int64_t pos = position.data_ptr<int64_t>()[0];
   TORCH_CHECK(pos >= 0 && pos < sh.cache_len, op, ": position ", pos, " is outside the cache of ", sh.cache_len,
               " positions (the static cache is full: generate with a larger max_cache_len)");
+  const LinearWeight &lq = w.q, &lk = w.k, &lv = w.v, &lo = w.o;
+  const at::Tensor &input_norm = w.input_norm, &post_norm = w.post_norm;
+  const c10::optional<at::Tensor> q_norm = w.q_norm.defined() ? c10::optional<at::Tensor>(w.q_norm) : c10::nullopt;
+  const c10::optional<at::Tensor> k_norm = w.k_norm.defined() ? c10::optional<at::Tensor>(w.k_norm) : c10::nullopt;
+  const double eps = w.eps, qk_eps = w.qk_eps, scaling = w.scaling, post_eps = w.post_eps;
   const int64_t b_rows = sh.batch, len = sh.cache_len;
   // valid[b * len + j]: row b attends to cache position j (the mask; without one, the causal positions <= pos).
-  std::vector<char> valid_store(b_rows * len, 0);
-  auto* valid = reinterpret_cast<bool*>(valid_store.data());
-  std::vector<int64_t> end(b_rows, pos + 1);  // one past the last position row b attends to
+  auto* valid = reinterpret_cast<bool*>(grown(ws.valid, b_rows * len));
+  int64_t* end = grown(ws.end, b_rows);  // one past the last position row b attends to
+  std::fill_n(end, b_rows, pos + 1);
   if (mask.has_value()) {
     const auto& mk = *mask;
     TORCH_CHECK(mk.scalar_type() == at::kBool && mk.dim() == 2 && mk.size(0) == b_rows && mk.size(1) == len, op,
@@ -320,31 +350,47 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
         if ((valid[b * len + j] = acc[b][j])) end[b] = j + 1;
     }
   } else {
-    for (int64_t b = 0; b < b_rows; ++b) std::fill_n(valid + b * len, pos + 1, true);
+    for (int64_t b = 0; b < b_rows; ++b) {
+      std::fill_n(valid + b * len, pos + 1, true);
+      std::fill_n(valid + b * len + pos + 1, len - pos - 1, false);
+    }
   }
 
   const Kernels& kn = serve::serve_kernels(std::string(kernels));
   const AttentionKernels& ak = serve::attention_kernels(std::string(kernels));
   const Values val{dt == at::kBFloat16};
   const int64_t hq = sh.q_heads, hk = sh.kv_heads, n_rep = hq / hk, h = sh.hidden;
-  auto out_hidden = at::empty({b_rows, h}, hidden.options());
-  auto out_normed = at::empty({b_rows, h}, hidden.options());
+  TORCH_CHECK(out_hidden.sizes() == hidden.sizes() && out_normed.sizes() == hidden.sizes() &&
+                  out_hidden.scalar_type() == dt && out_normed.scalar_type() == dt && out_hidden.is_contiguous() &&
+                  out_normed.is_contiguous() && out_hidden.data_ptr() != hidden.data_ptr(),
+              op, ": the outputs must be contiguous tensors like hidden, apart from it");
 
-  // Buffers, fp32 values of the activations' dtype (and bf16 bits where a bf16 kernel reads them).
-  std::vector<float> x(b_rows * h), qkv(b_rows * (hq + 2 * hk) * d), attn(b_rows * hq * d);
-  std::vector<uint16_t> x_bits(val.bf16 ? x.size() : 0), q_bits(val.bf16 ? b_rows * hq * d : 0),
-      attn_bits(val.bf16 ? attn.size() : 0);
+  // Buffers (the workspace's, grown on first use), fp32 values of the activations' dtype (and bf16 bits where a
+  // bf16 kernel reads them).
+  float* x = grown(ws.x, b_rows * h);
+  float* qkv = grown(ws.qkv, b_rows * (hq + 2 * hk) * d);
+  float* attn = grown(ws.attn, b_rows * hq * d);
+  uint16_t* x_bits = grown(ws.x_bits, val.bf16 ? b_rows * h : 1);
+  uint16_t* q_bits = grown(ws.q_bits, val.bf16 ? b_rows * hq * d : 1);
+  uint16_t* attn_bits = grown(ws.attn_bits, val.bf16 ? b_rows * hq * d : 1);
   const int64_t qkv_ld = (hq + 2 * hk) * d, k_off = hq * d, v_off = (hq + hk) * d;
   // Parallel tasks: q, k, v row blocks; attention chunks of each (row, kv head); o row blocks.
   const int64_t q_blocks = (lq.out + kRowBlock - 1) / kRowBlock, k_blocks = (lk.out + kRowBlock - 1) / kRowBlock;
   const int64_t qkv_blocks = q_blocks + 2 * k_blocks, o_blocks = (h + kRowBlock - 1) / kRowBlock;
   const int threads = threads_for(std::max(qkv_blocks, o_blocks));
-  const int64_t longest = *std::max_element(end.begin(), end.end());
+  const int64_t longest = *std::max_element(end, end + b_rows);
   const int64_t per_head = std::max<int64_t>(1, std::min<int64_t>((2 * threads + b_rows * hk - 1) / (b_rows * hk),
                                                                   (longest + kMinChunk - 1) / kMinChunk));
   const int64_t chunk = std::max<int64_t>(1, (longest + per_head - 1) / per_head);
   const int64_t attn_tasks = b_rows * hk * per_head;
-  std::vector<float> part_m(attn_tasks * n_rep), part_l(attn_tasks * n_rep), part_acc(attn_tasks * n_rep * d);
+  float* part_m = grown(ws.part_m, attn_tasks * n_rep);
+  float* part_l = grown(ws.part_l, attn_tasks * n_rep);
+  float* part_acc = grown(ws.part_acc, attn_tasks * n_rep * d);
+  // Per thread: a tile of outputs or scores, one row, and (fp32) the query heads of one kv head.
+  const int64_t scratch_n = std::max<int64_t>(b_rows * kRowBlock, n_rep * chunk), row_n = std::max(h, d);
+  float* scratch_all = grown(ws.scratch, threads * scratch_n);
+  float* row_all = grown(ws.row, threads * row_n);
+  float* q_all = grown(ws.q_f32, threads * n_rep * d);
   const void* hid = hidden.data_ptr();
   const void* cos_p = cos.data_ptr();
   const void* sin_p = sin.data_ptr();
@@ -356,14 +402,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scratch(std::max<int64_t>(b_rows * kRowBlock, n_rep * chunk));
-    std::vector<float> row(std::max(h, d));
+    const int tid = omp_get_thread_num();
+    float* scratch = scratch_all + tid * scratch_n;
+    float* row = row_all + tid * row_n;
+    float* q_f32 = q_all + tid * n_rep * d;
 
     // 1. The normalised layer input (a few rows: each thread its share).
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < b_rows; ++b) {
       for (int64_t i = 0; i < h; ++i) row[i] = val.load(hid, b * h + i);
-      rms_norm(val, row.data(), h, input_norm.data_ptr(), static_cast<float>(eps), x.data() + b * h);
+      rms_norm(val, row, h, input_norm.data_ptr(), static_cast<float>(eps), x + b * h);
       if (val.bf16)
         for (int64_t i = 0; i < h; ++i) x_bits[b * h + i] = bf16_bits(x[b * h + i]);
     }
@@ -374,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
       const LinearWeight& w = is_q ? lq : (is_k ? lk : lv);
       const int64_t r0 = (is_q ? blk : blk - q_blocks - (is_k ? 0 : k_blocks)) * kRowBlock;
       const int64_t rows = std::min(kRowBlock, w.out - r0), off = (is_q ? 0 : (is_k ? k_off : v_off)) + r0;
-      linear_block(kn, w, x.data(), x_bits.data(), b_rows, r0, rows, scratch.data(), kRowBlock);
+      linear_block(kn, w, x, x_bits, b_rows, r0, rows, scratch, kRowBlock);
       for (int64_t b = 0; b < b_rows; ++b)
         for (int64_t j = 0; j < rows; ++j) qkv[b * qkv_ld + off + j] = val.round(scratch[b * kRowBlock + j]);
     }
@@ -382,16 +430,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < b_rows * (hq + 2 * hk); ++task) {
       const int64_t b = task / (hq + 2 * hk), head = task % (hq + 2 * hk);
-      float* v = qkv.data() + b * qkv_ld + head * d;  // this head's d values (q heads, then k, then v)
+      float* v = qkv + b * qkv_ld + head * d;  // this head's d values (q heads, then k, then v)
       const bool is_v = head >= hq + hk, is_k = !is_v && head >= hq;
       if (!is_v) {
         const auto& norm = is_k ? k_norm : q_norm;
         if (norm.has_value()) {
-          std::copy_n(v, d, row.data());
-          rms_norm(val, row.data(), d, norm->data_ptr(), static_cast<float>(qk_eps), v);
+          std::copy_n(v, d, row);
+          rms_norm(val, row, d, norm->data_ptr(), static_cast<float>(qk_eps), v);
         }
         // rotate_half: (-x2, x1); x * cos + rotate_half(x) * sin, each product and the sum rounded
-        std::copy_n(v, d, row.data());
+        std::copy_n(v, d, row);
         const int64_t half = d / 2;
         for (int64_t i = 0; i < d; ++i) {
           const float rot = i < half ? -row[i + half] : row[i - half];
@@ -413,20 +461,18 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
       const int64_t b = task / (hk * per_head), g = (task / per_head) % hk, c = task % per_head;
       const int64_t j0 = std::min(c * chunk, end[b]), j1 = std::min(j0 + chunk, end[b]);
       const int64_t first_q = b * hq + g * n_rep;
-      std::vector<float> q_f32;
       const void* q;
       if (val.bf16) {
-        q = q_bits.data() + first_q * d;
+        q = q_bits + first_q * d;
       } else {
-        q_f32.resize(n_rep * d);
         for (int64_t r = 0; r < n_rep; ++r)
-          std::copy_n(qkv.data() + b * qkv_ld + (g * n_rep + r) * d, d, q_f32.data() + r * d);
-        q = q_f32.data();
+          std::copy_n(qkv + b * qkv_ld + (g * n_rep + r) * d, d, q_f32 + r * d);
+        q = q_f32;
       }
       const size_t head_off = static_cast<size_t>((b * hk + g) * len * d) * elt;
       attend_chunk(kn, ak, val.bf16, q, static_cast<char*>(kc) + head_off, static_cast<char*>(vc) + head_off,
-                   valid + b * len, n_rep, d, j0, j1, static_cast<float>(scaling), scratch.data(),
-                   part_m.data() + task * n_rep, part_l.data() + task * n_rep, part_acc.data() + task * n_rep * d);
+                   valid + b * len, n_rep, d, j0, j1, static_cast<float>(scaling), scratch,
+                   part_m + task * n_rep, part_l + task * n_rep, part_acc + task * n_rep * d);
     }
     // 5. Merge the chunks of every query head.
 #pragma omp for schedule(static)
@@ -435,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
       const int64_t first = (b * hk + g) * per_head;
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < per_head; ++c) m = std::max(m, part_m[(first + c) * n_rep + r]);
-      float* o = row.data();
+      float* o = row;
       std::fill_n(o, d, 0.0f);
       float l = 0.0f;
       if (m != -std::numeric_limits<float>::infinity()) {
@@ -444,7 +490,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
           if (part_l[at] == 0.0f) continue;
           const float f = std::exp(part_m[at] - m);
           l += f * part_l[at];
-          const float* pa = part_acc.data() + at * d;
+          const float* pa = part_acc + at * d;
           for (int64_t i = 0; i < d; ++i) o[i] += f * pa[i];
         }
       }
@@ -459,7 +505,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < o_blocks; ++blk) {
       const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, h - r0);
-      linear_block(kn, lo, attn.data(), attn_bits.data(), b_rows, r0, rows, scratch.data(), kRowBlock);
+      linear_block(kn, lo, attn, attn_bits, b_rows, r0, rows, scratch, kRowBlock);
       for (int64_t b = 0; b < b_rows; ++b)
         for (int64_t j = 0; j < rows; ++j) {
           const int64_t i = b * h + r0 + j;
@@ -470,12 +516,37 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < b_rows; ++b) {
       for (int64_t i = 0; i < h; ++i) row[i] = val.load(out_h, b * h + i);
-      rms_norm(val, row.data(), h, post_norm.data_ptr(), static_cast<float>(post_eps), row.data());
+      rms_norm(val, row, h, post_norm.data_ptr(), static_cast<float>(post_eps), row);
       for (int64_t i = 0; i < h; ++i) val.store(out_n, b * h + i, row[i]);
     }
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
+    const at::Tensor& hidden, const at::Tensor& input_norm, double eps, const at::Tensor& wq,
+    const c10::optional<at::Tensor>& wq_scale, const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+    const c10::optional<at::Tensor>& wk_scale, const c10::optional<at::Tensor>& bk, const at::Tensor& wv,
+    const c10::optional<at::Tensor>& wv_scale, const c10::optional<at::Tensor>& bv, const at::Tensor& wo,
+    const c10::optional<at::Tensor>& wo_scale, const c10::optional<at::Tensor>& bo,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double qk_eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& position,
+    const c10::optional<at::Tensor>& mask, double scaling, const at::Tensor& post_norm, double post_eps,
+    c10::string_view kernels) {
+  // The op alone (the compiled step calls it per layer): its weights checked and its workspace made on each call.
+  TORCH_CHECK(hidden.dim() == 2 && k_cache.dim() == 4, "decode_attention_block: hidden must be [B, H] and the caches "
+              "[B, kv_heads, L, head_dim], got ", hidden.sizes(), " and ", k_cache.sizes());
+  const AttentionWeights w = attention_weights(hidden.scalar_type(), k_cache.size(3), input_norm, eps, wq, wq_scale,
+                                               bq, wk, wk_scale, bk, wv, wv_scale, bv, wo, wo_scale, bo, q_norm,
+                                               k_norm, qk_eps, scaling, post_norm, post_eps);
+  TORCH_CHECK(position.numel() == 1 && position.scalar_type() == at::kLong,
+              "decode_attention_block: position must be one int64 value");
+  AttentionWorkspace ws;
+  auto out_hidden = at::empty_like(hidden), out_normed = at::empty_like(hidden);
+  attention_block(w, hidden, cos, sin, k_cache, v_cache, position.data_ptr<int64_t>()[0], mask, kernels, ws,
+                  out_hidden, out_normed);
   return {out_hidden, out_normed};
 }
+
 
 TORCH_LIBRARY_IMPL(hf_moe, CPU, m) {
   m.impl("linear_infer", &linear_infer_cpu);

@@ -1,14 +1,69 @@
 // The CPU kernels of the inference ops that the whole decode step (decode_step_cpu.cpp) calls directly, without the
-// dispatcher: defined in decode_cpu.cpp (linear_infer, decode_attention_block) and serve_cpu.cpp
-// (moe_experts_infer); their schemas and contracts are there and in hf_moe/ops/library.py, hf_moe/ops/decode.py.
+// dispatcher, and the attention sub-block's planned form (weights checked once, a reused workspace): defined in
+// decode_cpu.cpp (linear_infer, decode_attention_block) and serve_cpu.cpp (moe_experts_infer); their schemas and
+// contracts are there and in hf_moe/ops/library.py, hf_moe/ops/decode.py.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/string_view.h>
 
+#include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace hf_moe {
+
+// A linear layer's weight [O, K] (fp32, bf16, or int8 with fp32 scales) and optional bias [O], checked once
+// (`linear_weight`); `weight` and `scale_tensor` keep the memory `data` and `scale` point into.
+struct LinearWeight {
+  const char* data = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t out = 0, k = 0;
+  const float* scale = nullptr;
+  int64_t ld_scale = 1, group = 1;
+  at::Tensor bias;  // fp32, contiguous, or undefined
+  at::Tensor weight, scale_tensor;
+};
+
+LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& bias, const char* name);
+
+// One decoder layer's attention sub-block (decode_cpu.cpp): its weights, checked once against each other
+// (`attention_weights`), and its shape; q_norm and k_norm are undefined where the layer has none (Qwen3 has them).
+struct AttentionWeights {
+  at::ScalarType dtype = at::kFloat;  // of the activations, the norms and the caches
+  int64_t hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  at::Tensor input_norm, post_norm, q_norm, k_norm;
+  LinearWeight q, k, v, o;
+  double eps = 1e-6, qk_eps = 1e-6, scaling = 1.0, post_eps = 1e-6;
+};
+
+AttentionWeights attention_weights(at::ScalarType dt, int64_t head_dim, const at::Tensor& input_norm, double eps,
+                                   const at::Tensor& wq, const c10::optional<at::Tensor>& wq_scale,
+                                   const c10::optional<at::Tensor>& bq, const at::Tensor& wk,
+                                   const c10::optional<at::Tensor>& wk_scale, const c10::optional<at::Tensor>& bk,
+                                   const at::Tensor& wv, const c10::optional<at::Tensor>& wv_scale,
+                                   const c10::optional<at::Tensor>& bv, const at::Tensor& wo,
+                                   const c10::optional<at::Tensor>& wo_scale, const c10::optional<at::Tensor>& bo,
+                                   const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                                   double qk_eps, double scaling, const at::Tensor& post_norm, double post_eps);
+
+// The attention sub-block's buffers, grown to the largest call seen and reused: a step allocates nothing once they
+// fit. One workspace serves one call at a time.
+struct AttentionWorkspace {
+  std::vector<float> x, qkv, attn, part_m, part_l, part_acc, scratch, row, q_f32;
+  std::vector<uint16_t> x_bits, q_bits, attn_bits;
+  std::vector<char> valid;
+  std::vector<int64_t> end;
+};
+
+// One token's attention sub-block of `w` (what hf_moe::decode_attention_block computes) for hidden [B, H], with
+// cos/sin [B, head_dim], the caches [B, kv_heads, L, head_dim] written at `pos`, into out_hidden and out_normed
+// ([B, H] each, allocated by the caller, apart from hidden). Checks only what depends on the call.
+void attention_block(const AttentionWeights& w, const at::Tensor& hidden, const at::Tensor& cos,
+                     const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                     const c10::optional<at::Tensor>& mask, c10::string_view kernels, AttentionWorkspace& ws,
+                     at::Tensor& out_hidden, at::Tensor& out_normed);
 
 at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                             const c10::optional<at::Tensor>& bias, c10::string_view kernels);
