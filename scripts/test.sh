@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
 # Install everything and run the whole test suite, then the oldest transformers the bounds admit (scripts/test_oldest.sh).
-# This is the README's test command; CI runs it (.ci/run).
+# This is the README's test command; CI runs it (.ci/run). Tests are chosen by marker (pyproject.toml), never by name.
+#   bash scripts/test.sh               the whole suite (every test but the `gpu_versions` ones), then test_oldest.sh
+#   bash scripts/test.sh --fast        the inner loop: no install, none of the slow, subprocess, distributed, compile
+#                                      or gpu_versions tests (a few minutes on a 2-core machine)
+#   bash scripts/test.sh --durations   the install and the whole suite, writing every test's time to
+#                                      benchmarks/results/test_durations.txt (not test_oldest.sh)
+# Arguments after these go to pytest (e.g. `--fast tests/test_ops.py`, `--fast -x`).
 # torch==2.13.0 goes in first (on this project's machines it is a local CPU build); a looser `torch` requirement
 # resolved on its own would pull several GB of CUDA wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WORKERS="${HF_MOE_TEST_WORKERS:-2}"
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    exec python -m pytest -n "$WORKERS" --dist loadfile -q \
+        -m "not (slow or subprocess or distributed or compile or gpu_versions)" "$@"
+fi
+durations=""
+if [ "${1:-}" = "--durations" ]; then
+    shift
+    durations=benchmarks/results/test_durations.txt
+fi
 python -c "import torch" 2>/dev/null || python -m pip install torch==2.13.0
 python -m pip install -e ".[dev]"
 # The newest transformers the bound in pyproject.toml admits (an existing venv would keep an older one), and a check
@@ -18,22 +35,26 @@ assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transf
 python -m pip install "setuptools>=70.1" wheel
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
+# The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
+# one core, so on a 2-core machine this cuts the wall time from 34 to about 25 minutes (measured on a quiet one).
+# The tests marked gpu_versions concern the lent GPU alone and run once, in scripts/test_oldest.sh on the GPU's own
+# versions (torch 2.11, triton 3.6), not here as well.
+SUITE=(python -m pytest -n "$WORKERS" --dist loadfile -m "not gpu_versions")
+if [ -n "$durations" ]; then
+    log="$(mktemp)"
+    status=0
+    "${SUITE[@]}" --durations=0 --durations-min=0 "$@" | tee "$log" || status=$?
+    python scripts/test_durations.py "$log" "$durations" "${SUITE[*]} --durations=0"
+    rm -f "$log"
+    exit "$status"
+fi
 # The venv of scripts/test_oldest.sh (torch 2.11's wheels, a few GB to download and unpack) is built while the main
 # suite runs; its log is printed after the suite.
 oldest_log="$(mktemp)"
 bash scripts/test_oldest.sh --venv-only >"$oldest_log" 2>&1 &
 oldest_venv=$!
-# The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
-# one core, so on a 2-core machine this cuts the wall time from 34 to about 25 minutes (measured on a quiet one).
-# Four tests that concern the lent GPU alone run once, in scripts/test_oldest.sh on the GPU's own versions (torch
-# 2.11, triton 3.6), not here as well: gpu_check --smoke, first_light.sh, the kernel tests on xdist workers (step 5)
-# and the sm90 compile of every Triton kernel.
 status=0
-python -m pytest -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile "$@" \
-    --deselect tests/test_gpu_check.py::test_gpu_check_smoke_writes_its_report \
-    --deselect tests/test_gpu_check.py::test_first_light_without_a_gpu_says_so_and_stops \
-    --deselect tests/test_gpu_check.py::test_kernel_tests_run_on_xdist_workers_and_each_records_its_launches \
-    --deselect tests/test_triton.py::test_every_kernel_compiles_for_sm90 || status=$?
+"${SUITE[@]}" "$@" || status=$?
 venv_status=0
 wait "$oldest_venv" || venv_status=$?
 cat "$oldest_log"

@@ -57,20 +57,17 @@ assert got == ('$TORCH', '$TRITON', '$OLDEST', '$ACCELERATE', '$SAFETENSORS'), g
 import hf_moe
 print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 "
-# The transformers internals, then the device's own concerns: the Triton kernels (the interpreter and the sm90
-# compiler), gpu_check --smoke and first_light.sh, expert parallelism x FSDP2 (DTensor, DCP), torch.export programs.
-# Left out: what does not depend on these versions and runs in the main suite (gpu_check's runner and fallback tests,
-# the two Triton tests that build the C++ extension, the saved programs of the compiled backend, the DDP and launcher
-# tests), and tests/test_compile.py (parts of it fail on torch 2.11: docs/compatibility.md, known limits). Also left
-# out: every kernel test under triton 3.6's interpreter (two minutes): the GPU compiles the kernels, which
-# test_every_kernel_compiles_for_sm90 does here with triton 3.6's own front end and compiler, and gpu_check --smoke
-# runs the interpreter on these versions; the main suite runs every kernel test under the interpreter (triton 3.9).
+# The tests marked `oldest` (the transformers internals, then the device's own concerns: the Triton kernels (the
+# interpreter and the sm90 compiler), expert parallelism x FSDP2 (DTensor, DCP), torch.export programs) and
+# `gpu_versions` (gpu_check --smoke, first_light.sh, the kernel tests on xdist workers and the sm90 compile of every
+# Triton kernel, which run only here). Not marked: what does not depend on these versions and runs in the main suite
+# (gpu_check's runner and fallback tests, the two Triton tests that build the C++ extension, the saved programs of the
+# compiled backend, the DDP and launcher tests), tests/test_compile.py (parts of it fail on torch 2.11:
+# docs/compatibility.md, known limits), and every kernel test under triton 3.6's interpreter (two minutes): the GPU
+# compiles the kernels, which test_every_kernel_compiles_for_sm90 does here with triton 3.6's own front end and
+# compiler, and gpu_check --smoke runs the interpreter on these versions; the main suite runs every kernel test under
+# the interpreter (triton 3.9). Only the files that mark a test so are collected: the others import packages this
+# venv does not have (peft, trl, onnx, ...).
+mapfile -t FILES < <(grep -l -E "pytest\.mark\.(oldest|gpu_versions)" tests/test_*.py)
 HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile \
-    tests/test_modeling.py tests/test_integration.py tests/test_checkpoint.py tests/test_convert.py \
-    tests/test_families.py tests/test_export.py tests/test_training.py tests/test_routers.py \
-    tests/test_experts_interface.py tests/test_compat.py \
-    tests/test_triton.py tests/test_gpu_check.py tests/test_saved_programs.py tests/test_parallel.py \
-    tests/test_distributed.py \
-    -k "not (env_reports_the_triton_backend or cuda_default_is_triton or falls_back_to_torch_fails or crash_a_hang \
-or cut_short or overweighted or accelerate_launch_example or (saved_program_loads_in_a_fresh_process and auto) \
-or kernels_under_the_interpreter)"
+    -m "oldest or gpu_versions" "${FILES[@]}" "$@"

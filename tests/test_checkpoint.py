@@ -16,6 +16,8 @@ import hf_moe.checkpoint.save as checkpoint_save
 from hf_moe import CheckpointError, MoEForCausalLM, convert_to_moe
 from hf_moe.inspect import format_summary, summarize_checkpoint
 
+pytestmark = pytest.mark.oldest
+
 
 @pytest.fixture
 def moe():
@@ -294,6 +296,7 @@ def test_verify_update_keeps_the_index_mode(saved, mode, capsys):
     assert MoEForCausalLM.from_pretrained(saved).config.num_experts_per_tok == 1
 
 
+@pytest.mark.subprocess
 def test_a_killed_verify_update_leaves_nothing_the_next_one_keeps(moe, saved):
     """A `verify --update` killed before its rename left `.model.safetensors.index.json.<random>` in the checkpoint,
     and the next --update left it there. It stages the index as a save stages a directory (a token and a lock,

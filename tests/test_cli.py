@@ -84,6 +84,7 @@ def test_generate_with_an_empty_prompt_is_an_error_not_a_traceback(dense_dir, tm
     assert "The prompt is empty" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_console_script_is_installed():
     result = subprocess.run(["hf-moe", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and all(c in result.stdout for c in ("convert", "inspect", "export"))
@@ -91,6 +92,7 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "convert" in result.stdout
 
 
+@pytest.mark.subprocess
 def test_help_imports_neither_torch_nor_transformers():
     """`hf-moe --help` used to import everything first (16 s); parsing is now standard library only."""
     code = (
@@ -102,6 +104,7 @@ def test_help_imports_neither_torch_nor_transformers():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+@pytest.mark.subprocess
 def test_env_report_names_every_op():
     result = subprocess.run([sys.executable, "-m", "hf_moe.env"], capture_output=True, text=True, check=True)
     for op in ("sort_by_expert", "permute", "grouped_mm", "expert_act", "unpermute", "experts (whole layer)"):

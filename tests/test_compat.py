@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import transformers
 
 from hf_moe import compat
+
+pytestmark = pytest.mark.oldest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +54,7 @@ print("\n".join(found))
 """
 
 
+@pytest.mark.subprocess
 def test_no_deprecation_warning_on_the_installed_transformers():
     result = subprocess.run([sys.executable, "-c", FLOW, str(ROOT / "tests")], capture_output=True, text=True,
                             cwd=ROOT, timeout=600)

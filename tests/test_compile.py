@@ -25,6 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_moe
 from hf_moe.ops import experts_forward, experts_interface, reference, use_backend
 
+pytestmark = pytest.mark.compile
+
 BACKENDS = ["compiled", "torch"]
 MODELS = ["mixtral", "qwen3_moe", "hf_moe_llama"]
 NATIVE = {
@@ -152,6 +154,7 @@ def test_compile_fullgraph_first_call_moe_block(backend):
     _assert_same_grads(block, eager_block)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_fresh_process_first_call_compiles():
     """A new process with HF_MOE_BACKEND=compiled whose first call is compiled: loading the extension (first, by the

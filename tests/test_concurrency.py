@@ -74,6 +74,7 @@ def _busy(err: BaseException) -> bool:
     return "being written" in str(err)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_loads_during_saves_see_one_checkpoint(tmp_path):
     from conftest import random_ids
@@ -138,6 +139,7 @@ def test_loads_during_saves_see_one_checkpoint(tmp_path):
                        references[(saves - 1) % 2]["lm_head.weight"])  # the last save is what OUT holds
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_save_waits_for_a_load_then_the_load_is_told(tmp_path):
     """A save waits for a load in progress (here one that does not end: it holds its read open) for
@@ -160,6 +162,7 @@ def test_a_save_waits_for_a_load_then_the_load_is_told(tmp_path):
     MoEForCausalLM.from_pretrained(out)  # the save is complete
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_reader_process_with_several_threads_does_not_starve_a_save(tmp_path, monkeypatch):
     """A reader process whose threads overlap their reads (each passed the turnstile unchecked while another held a
@@ -218,6 +221,7 @@ def test_a_save_inside_a_read_of_its_own_directory_fails_at_once(tmp_path, monke
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.hf_moe-")]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_commit_wait_that_is_no_number_of_seconds_is_named(tmp_path, monkeypatch):
     """HF_MOE_COMMIT_WAIT=nan waited forever (every comparison with NaN is false); a negative or non-numeric value was

@@ -11,6 +11,8 @@ import hf_moe
 from hf_moe import MoEForCausalLM, NoMLPFoundError, SparseMoeBlock, convert_to_moe
 from hf_moe.routing import moe_blocks
 
+pytestmark = pytest.mark.oldest
+
 # Upcycled experts are identical and the top-k weights sum to one, so the MoE output is sum_j w_j * MLP(x).
 # In fp32 that equals MLP(x) up to rounding of the weighted sum: a few ulps of the logits.
 ATOL = 2e-5

@@ -237,6 +237,7 @@ def test_decode_dispatch_takes_the_inference_kernel(dtype, compiled):
         assert not ran_with_grad
 
 
+@pytest.mark.compile
 def test_torch_compile_traces_the_inference_kernel(compiled):
     """Under torch.compile(fullgraph=True) a decode-sized inference call is one opaque node with a shape function."""
     experts = _Experts(4, 64, 48, glu=True, bias=False, dtype=torch.float32).requires_grad_(False)

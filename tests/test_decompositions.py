@@ -179,6 +179,7 @@ class _Layer(torch.nn.Module):
                                                     torch.is_grad_enabled())[0]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("op,quantized,grad", [("infer", True, False), ("forward", False, True)])
 def test_exported_program_decomposes_to_aten_only(op, quantized, grad):
     """torch.export keeps the op as one node (a saved program runs our kernels); the decomposition table turns it

@@ -13,6 +13,8 @@ import torch
 
 from hf_moe.compat import trainer_supports_sharded_models
 
+pytestmark = [pytest.mark.distributed, pytest.mark.subprocess]
+
 ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
 
@@ -93,6 +95,7 @@ def _assert_passed(output: str, *checks: str) -> None:
         assert _passed(output, check), f"missing OK {check!r}:\n{output[-3000:]}"
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ep_x_fsdp2_gradients_clipping_and_steps_equal_single_process(parallel_runs):
@@ -117,6 +120,7 @@ def test_ep_x_fsdp2_gradients_clipping_and_steps_equal_single_process(parallel_r
     )
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_expert_parallelism_under_autocast_computes_as_one_process(parallel_runs):
@@ -126,6 +130,7 @@ def test_expert_parallelism_under_autocast_computes_as_one_process(parallel_runs
     _assert_passed(parallel_runs["two"], "under bf16 autocast the experts compute as on one process")
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_expert_parallel_then_fully_shard_by_hand_is_correct(parallel_runs):
@@ -140,6 +145,7 @@ def test_expert_parallel_then_fully_shard_by_hand_is_correct(parallel_runs):
     )
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_save_pretrained_and_memory_arithmetic(parallel_runs):
@@ -155,6 +161,7 @@ def test_sharded_save_pretrained_and_memory_arithmetic(parallel_runs):
     _assert_passed(parallel_runs["two"], "hf-moe plan's bytes per rank equal the local tensors (8 experts, EP 2 x dp 1)")
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_elastic_resume_4_to_2_to_1(parallel_runs):
@@ -170,6 +177,7 @@ def test_elastic_resume_4_to_2_to_1(parallel_runs):
                        "the run")
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
@@ -196,6 +204,7 @@ def test_trainers_and_accelerate_fsdp2_with_expert_parallelism(parallel_runs):
     )
 
 
+@pytest.mark.oldest
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_accelerate_ddp_loop_with_expert_parallelism(tmp_path):

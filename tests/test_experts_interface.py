@@ -10,6 +10,8 @@ import hf_moe  # noqa: F401  (registers "hf_moe" in transformers' ExpertsInterfa
 from hf_moe.ops import experts_interface, use_backend
 from hf_moe.ops.extension import load_extension
 
+pytestmark = pytest.mark.oldest
+
 NATIVE = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,

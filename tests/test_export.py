@@ -17,6 +17,8 @@ import hf_moe
 from hf_moe import NativeExportError, export_native
 from hf_moe.export_verify import dot_width, logit_tolerance
 
+pytestmark = pytest.mark.oldest
+
 # Loads every exported folder in a fresh interpreter that imports transformers, never hf_moe.
 PLAIN_TRANSFORMERS = """
 import json, sys, torch
@@ -92,6 +94,7 @@ def exported(tmp_path_factory):
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_loads_in_plain_transformers_with_equal_logits(exported, case):
     moe_logits, (architecture, _, is_fp32, logits), result, _ = exported[case]
@@ -102,6 +105,7 @@ def test_export_loads_in_plain_transformers_with_equal_logits(exported, case):
     assert result.max_abs_logit_diff is not None and result.max_abs_logit_diff < 1e-5 and result.same_argmax
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_files_are_in_the_native_layout(exported, case):
     path = exported[case][3]
@@ -116,6 +120,7 @@ def test_files_are_in_the_native_layout(exported, case):
     assert (path / "generation_config.json").is_file()
 
 
+@pytest.mark.subprocess
 def test_carried_config_fields(exported):
     config = lambda case: json.loads((exported[case][3] / "config.json").read_text())  # noqa: E731
     assert config("mistral")["sliding_window"] == 6 and config("llama")["sliding_window"] is None
@@ -125,6 +130,7 @@ def test_carried_config_fields(exported):
     assert config("llama")["router_aux_loss_coef"] == 0.01 and config("llama")["router_jitter_noise"] == 0.0
 
 
+@pytest.mark.subprocess
 def test_model_card(exported):
     card = (exported["qwen3_partial"][3] / "README.md").read_text()
     result = exported["qwen3_partial"][2]
@@ -139,6 +145,7 @@ def test_model_card(exported):
     assert "{" not in card.split("```python")[0]  # every field filled
 
 
+@pytest.mark.subprocess
 def test_test_is_sensitive_to_expert_and_gate_up_order(exported):
     """The noise makes the experts differ, so a wrong expert order or a swapped gate/up would change the logits: by
     more than 20x the export's tolerance, which the measured differences (rounding) stay far below."""
@@ -231,6 +238,7 @@ def test_split_with_softmax_weights_exports(tmp_path):
     assert result.architecture == "Qwen3MoeForCausalLM" and result.max_abs_logit_diff < 1e-5
 
 
+@pytest.mark.subprocess
 def test_metadata_the_gguf_loader_adds_is_carried_not_refused(tmp_path):
     """transformers' GGUF loader adds `_model_name_or_path` and `unk_token_id` to a Llama config (the quickstart's
     SmolLM2 has both). Neither changes what the model computes, so export carries them instead of refusing."""
@@ -274,6 +282,7 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_files_are_what_native_save_pretrained_writes(exported, case, tmp_path):
     """Same tensor names, bytes, config and generation config as transformers' own `save_pretrained` of the native
@@ -339,6 +348,7 @@ def moe_250mb(tmp_path_factory):
     return path
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("verify", ["verify", "write"])
 def test_export_peak_memory_is_bounded_by_the_model_size(moe_250mb, verify, tmp_path):

@@ -44,6 +44,7 @@ def test_compiled_backend_is_active_here():
     assert backend_report()["experts (whole layer)"][0].startswith("compiled C++")
 
 
+@pytest.mark.subprocess
 def test_backend_torch_skips_the_extension(tmp_path):
     result = _run({"HF_MOE_BACKEND": "torch", "HF_MOE_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stderr
@@ -53,6 +54,7 @@ def test_backend_torch_skips_the_extension(tmp_path):
     assert "disabled by HF_MOE_BACKEND=torch" in env.stdout
 
 
+@pytest.mark.subprocess
 def test_failed_build_falls_back_with_one_warning(tmp_path):
     if importlib_spec_exists("hf_moe._C"):
         pytest.skip("a prebuilt hf_moe._C is installed; the fallback is exercised without one")
@@ -70,6 +72,7 @@ def importlib_spec_exists(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@pytest.mark.subprocess
 def test_bad_backend_setting_is_an_error():
     result = _run({"HF_MOE_BACKEND": "fast"})
     assert result.returncode != 0 and "HF_MOE_BACKEND must be auto, compiled, triton or torch" in result.stderr
@@ -137,6 +140,7 @@ def test_the_compile_estimate_counts_every_source(csrc_copy):
     assert sum(extension.compile_cpu_seconds()) == sum(seconds) + extension.UNIT_S
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_ahead_of_time_build_with_setup_py(tmp_path):
     """HF_MOE_BUILD_EXT=1 builds hf_moe._C, stamped with the hash of its sources, and its ops run."""
@@ -160,6 +164,7 @@ print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())
     assert check.stdout.strip() == "[1, 1, 2]"
 
 
+@pytest.mark.subprocess
 def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
     """torch's builder holds a `lock` file while it builds; a build killed midway left it, and every later process
     waited on it forever. Under hf_moe's own flock (released when a process dies) such a file is stale and goes."""
@@ -214,6 +219,7 @@ def _no_home_env(tmp_path: Path) -> dict:
 _LOAD = "from hf_moe.ops import load_extension; print(load_extension()[1].how)"
 
 
+@pytest.mark.subprocess
 def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finished_build):
     """A service user whose $HOME is not writable rebuilt the extension in every process (about 4 minutes each on 2
     cores). The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
@@ -234,6 +240,7 @@ def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finish
         assert "compiling" not in result.stderr
 
 
+@pytest.mark.subprocess
 def test_a_finished_build_runs_no_ninja(tmp_path, finished_build):
     """torch's loader runs ninja in every new process; another ninja on PATH (a venv's against the system's) or
     another checkout of the same sources then rebuilt everything. A finished build is now imported as it is."""
@@ -282,6 +289,7 @@ def test_the_shared_temp_dir_is_used_only_when_private(tmp_path, monkeypatch):
     assert cache_root() == tmp_path / "mine"
 
 
+@pytest.mark.subprocess
 def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(tmp_path):
     """No usable cache (no $HOME, an unsafe temp dir): one warning naming HF_MOE_CACHE, and the pure-torch ops, not
     a build in every process."""

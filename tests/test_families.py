@@ -21,6 +21,8 @@ from hf_moe.ops import _KERNEL_NAMES
 from hf_moe.ops.reference import KERNEL_ACTIVATIONS
 from hf_moe.routing import moe_blocks
 
+pytestmark = pytest.mark.oldest
+
 ATOL = 2e-5  # as in test_convert: a few ulps of the logits
 LAYERS = 2
 

@@ -55,6 +55,7 @@ def _report_counts(request):
         print(f"\n{line}", flush=True)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_no_fault_damages_out_or_leaks_staging(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_MOE_BACKEND": "torch", "TQDM_DISABLE": "1",

@@ -23,7 +23,7 @@ from hf_moe.gpu_check.runner import StepSpec, plan_limit, run_steps
 ROOT = Path(__file__).resolve().parents[1]
 interpreter = pytest.mark.skipif(triton_interpreter_problem() is not None, reason=str(triton_interpreter_problem()))
 STEPS = ["environment", "correctness at real shapes", "speed at 16k tokens, bf16", "training step, and EP x FSDP2",
-         "tests/test_triton.py", "compute-sanitizer memcheck"]
+         "tests/test_triton_*.py", "compute-sanitizer memcheck"]
 
 
 def _env(**extra) -> dict[str, str]:
@@ -31,6 +31,8 @@ def _env(**extra) -> dict[str, str]:
     return {**env, **extra}
 
 
+@pytest.mark.subprocess
+@pytest.mark.gpu_versions
 @pytest.mark.slow
 @interpreter
 def test_gpu_check_smoke_writes_its_report(tmp_path):
@@ -46,8 +48,8 @@ def test_gpu_check_smoke_writes_its_report(tmp_path):
     assert all(0 < s["seconds"] <= s["limit"] for s in results["steps"]) and not any(
         s["fell_back"] for s in results["steps"])
     assert steps["compute-sanitizer memcheck"]["summary"].startswith("skipped: ")
-    assert "TRITON_INTERPRET=1" in steps["tests/test_triton.py"]["data"]["where"]
-    assert steps["tests/test_triton.py"]["data"]["launches"]  # the kernels ran, and gpu_check saw it
+    assert "TRITON_INTERPRET=1" in steps["tests/test_triton_*.py"]["data"]["where"]
+    assert steps["tests/test_triton_*.py"]["data"]["launches"]  # the kernels ran, and gpu_check saw it
     correctness = steps["correctness at real shapes"]["data"]
     assert len(correctness["cases"]) == 6 and correctness["large_tensor"]["status"] == "passed"
     assert all(case["launches"] > 0 and not case["fell_back"] for case in correctness["cases"])
@@ -84,6 +86,7 @@ gemm.launch = _launch
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @interpreter
 def test_a_triton_op_that_falls_back_to_torch_fails_the_run_and_is_named(tmp_path):
@@ -146,6 +149,7 @@ def _alive(pid: int) -> bool:
     return not (state.is_file() and state.read_text().split()[2] == "Z")
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_crash_a_hang_or_an_error_costs_only_its_step(tmp_path):
     """Five fake steps in child processes: a hang is killed at its limit with whatever it started (its partial record
@@ -177,6 +181,7 @@ def test_a_crash_a_hang_or_an_error_costs_only_its_step(tmp_path):
     assert "==== step 2: crashes" in (tmp_path / "logs.txt").read_text()
 
 
+@pytest.mark.oldest
 def test_the_budget_goes_to_the_steps_in_order_of_value():
     """Each step gets at most its `most`, and leaves every later step its `least`; the last (compute-sanitizer)
     takes what is left; the default plan fits 420 s with every step's minimum."""
@@ -188,6 +193,7 @@ def test_the_budget_goes_to_the_steps_in_order_of_value():
     assert plan_limit(SPECS, 5, 37) == 37  # the sanitizer: what is left
 
 
+@pytest.mark.oldest
 def test_a_step_gets_what_is_left_of_its_limit_after_the_child_starts(tmp_path):
     """On the H100 (2026-11-27) the kernel tests' step timed out with nothing recorded: the step planned its pytest
     run for its whole limit, but its process had spent part of it starting (importing torch, cold). The child now
@@ -200,6 +206,7 @@ def test_a_step_gets_what_is_left_of_its_limit_after_the_child_starts(tmp_path):
     assert 0 < data["limit"] <= 5
 
 
+@pytest.mark.oldest
 def test_a_budget_under_the_steps_minimum_is_refused(capsys):
     """With `--budget 60` the plan skipped the environment step (which decides whether any step can run here) and
     ran the kernel tests; now such a budget is an error that names what the steps need."""
@@ -213,10 +220,12 @@ def test_a_budget_under_the_steps_minimum_is_refused(capsys):
     assert not Path("unused").exists()
 
 
+@pytest.mark.subprocess
+@pytest.mark.gpu_versions
 @pytest.mark.slow
 @interpreter
 def test_kernel_tests_run_on_xdist_workers_and_each_records_its_launches():
-    """On the H100 tests/test_triton.py took over 235 s in one process; the step runs
+    """On the H100 the Triton tests took over 235 s in one process; the step runs
     it on pytest-xdist workers, each writing its own launch counts."""
     from hf_moe.gpu_check.steps import SMOKE_TESTS, _pytest
 
@@ -226,6 +235,7 @@ def test_kernel_tests_run_on_xdist_workers_and_each_records_its_launches():
     assert "[gw0]" in out and "[gw1]" in out and launches and not fell_back
 
 
+@pytest.mark.oldest
 def test_launch_counts_are_summed_over_the_workers(tmp_path):
     from hf_moe.gpu_check.steps import launch_records
 
@@ -237,6 +247,7 @@ def test_launch_counts_are_summed_over_the_workers(tmp_path):
     assert launch_records(path) == ({"a": 5, "b": 1}, {"permute": "err"})
 
 
+@pytest.mark.oldest
 def test_training_gradients_are_held_against_the_fp32_step():
     """Step 4 compared the Triton backend's bf16-autocast gradients with the torch backend's, which are as noisy: on
     the H100 (2026-11-27) a router's gradient differed between the two by 7.6e-2 and failed the step. Each is now
@@ -272,6 +283,8 @@ def _files(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
 
 
+@pytest.mark.subprocess
+@pytest.mark.gpu_versions
 @pytest.mark.slow
 def test_first_light_without_a_gpu_says_so_and_stops(tmp_path):
     """On a machine without a GPU the environment step says so (and how to run the steps on CPU), the other steps are
@@ -290,6 +303,8 @@ def test_first_light_without_a_gpu_says_so_and_stops(tmp_path):
     assert "torch " in log.splitlines()[1] and "| 1. environment | failed |" in log  # the versions, the table
 
 
+@pytest.mark.subprocess
+@pytest.mark.oldest
 def test_first_light_when_hf_moe_does_not_import(tmp_path):
     """If `import hf_moe` fails (as it did on torch 2.11 at ffb5e1a), report.md still says so, with the traceback."""
     fake = tmp_path / "fake" / "torch"
@@ -313,6 +328,7 @@ def test_a_cut_short_pytest_run_still_counts_what_it_finished():
     assert _summary_line("collecting ...") == "no test finished"
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("closing, passed", [("84 passed, 3 skipped in 140.69s (0:02:20)", True),
                                              ("83 passed, 1 failed in 140.69s (0:02:20)", False), (None, False)])
 def test_a_run_killed_after_pytest_closing_line_counts_what_it_printed(monkeypatch, closing, passed):
@@ -336,6 +352,7 @@ def test_a_run_killed_after_pytest_closing_line_counts_what_it_printed(monkeypat
         assert "timed out" in step.summary
 
 
+@pytest.mark.oldest
 def test_the_default_backends_choice_is_executed_and_held_to_what_it_names(monkeypatch):
     """Step 4's check of HF_MOE_BACKEND=auto (default_choice.py), on CPU: the backend `cuda_default` names must be the
     one `dispatch_ops` picks and the one that runs (Triton launches or none), with the forced backend's output. Here

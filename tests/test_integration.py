@@ -18,6 +18,8 @@ import hf_moe
 from hf_moe import MoEConfig, MoEForCausalLM, convert_to_moe
 from hf_moe.routing import moe_blocks
 
+pytestmark = pytest.mark.oldest
+
 
 def _run(code: str) -> str:
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
@@ -53,6 +55,7 @@ _FINGERPRINT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_import_hf_moe_patches_nothing():
     """`import hf_moe` used to put a finder on sys.meta_path that replaced Trainer.train, load_sharded_checkpoint
     and Accelerator.clip_grad_norm_ for every model in the process."""
@@ -78,6 +81,7 @@ def test_import_hf_moe_patches_nothing():
     )
 
 
+@pytest.mark.subprocess
 def test_import_hf_moe_does_not_import_the_trainer():
     _run("import sys, hf_moe\nassert 'transformers.trainer' not in sys.modules\n")
 
@@ -134,6 +138,7 @@ def test_output_hidden_states_still_recorded_by_transformers():
     assert len(out.hidden_states) == 4
 
 
+@pytest.mark.compile
 def test_compiled_training_step_has_no_graph_break():
     """The router recording (forward hooks added and removed on every call) and the aux-loss code broke a compiled
     training step's graph 6 times."""
@@ -187,6 +192,7 @@ def test_from_pretrained_rejects_bad_config_fields(saved):
 # --------------------------------------------------------------------------------------------------------------
 # Loading by path in a process that never imported hf_moe
 # --------------------------------------------------------------------------------------------------------------
+@pytest.mark.subprocess
 def test_saved_model_loads_with_trust_remote_code_without_import_hf_moe(saved, tmp_path):
     config = json.loads((saved / "config.json").read_text())
     assert config["auto_map"] == {

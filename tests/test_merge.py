@@ -281,6 +281,7 @@ def test_merge_reads_one_tensor_of_one_source_at_a_time(tmp_path, monkeypatch):
         assert peak[0] < source / 5
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_peak_memory_of_a_merge_is_a_fraction_of_one_source(tmp_path):
     """Peak RSS growth of a merge of 3 sources of 120 MB (fp32) and a base, in a fresh process, over its RSS before
@@ -358,6 +359,7 @@ def test_inspect_shows_which_expert_each_domain_goes_to(sources, tmp_path, capsy
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_merge_benchmark_quality_smoke_run(tmp_path):
     """benchmarks/merge.py quality --smoke: every contestant trains, merges and is evaluated (tiny sizes), and the

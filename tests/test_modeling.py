@@ -12,6 +12,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from hf_moe import MoEConfig, MoEForCausalLM, SparseMoeBlock, convert_to_moe, load_balancing_loss
 
+pytestmark = pytest.mark.oldest
+
 
 def _moe(family="llama", **kwargs):
     return convert_to_moe(tiny_dense(family), num_experts=4, top_k=2, **kwargs)

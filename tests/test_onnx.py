@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compile
+
 pytest.importorskip("onnx", reason="onnx is not installed (pip install -e '.[dev]')")
 pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip install -e '.[dev]')")
 pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[dev]')")
@@ -53,6 +55,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("which", ["converted", "native_mixtral"])

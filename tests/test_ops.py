@@ -292,6 +292,7 @@ def test_reference_grouped_mm_zeroes_rows_past_the_groups():
     torch.testing.assert_close(out[2:3], x[2:3] @ weight[1].t())
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_torch_compile_traces_the_compiled_ops(compiled):
     from hf_moe import MoEConfig, SparseMoeBlock

@@ -16,6 +16,8 @@ from hf_moe.parallel import load_training_state, save_training_state
 from hf_moe.parallel.sizing import Layout, estimate
 from hf_moe.parallel.training_state import TrainingStateError
 
+pytestmark = pytest.mark.oldest
+
 
 def _moe(seed: int = 0, num_experts: int = 4):
     return convert_to_moe(tiny_dense(seed=seed), num_experts=num_experts, top_k=2, noise=0.05).train()
@@ -138,6 +140,7 @@ def test_training_state_is_validated_before_use(tmp_path):
         save_training_state(tmp_path / "other", model, optimizer, data_position={"step": 1.5})
 
 
+@pytest.mark.subprocess
 def test_expert_parallelism_without_a_process_group_says_how_to_launch():
     for call in (hf_moe.parallelize, hf_moe.expert_parallel):
         with pytest.raises(RuntimeError, match="torchrun --nproc_per_node N"):

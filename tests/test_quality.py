@@ -32,6 +32,7 @@ def _quality():
     return sys.modules["quality_benchmark"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_smoke_run_writes_table_plot_and_claims_then_resumes(tmp_path):
     # The pure-torch ops: this tests the script, not the kernels (tests/test_ops.py does), and needs no C++ build.

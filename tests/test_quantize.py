@@ -338,6 +338,7 @@ def test_offloaded_int8_expert_is_verified_at_its_first_read(tmp_path, mode):
             store.read_into(layer, 2, fresh)
 
 
+@pytest.mark.compile
 def test_torch_compile_fullgraph_runs_the_int8_kernel():
     """A compiled decode step (torch.compile fullgraph, no gradients) keeps the int8 kernel as one node."""
     quantized = QuantizedExperts.from_experts(_Experts(4, 64, 96, glu=True, bias=True, dtype=torch.float32))

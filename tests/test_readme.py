@@ -311,6 +311,7 @@ def test_readme_is_a_short_front_door_to_every_page():
     assert [p for p in pages if f"(docs/{p})" not in text and f"(docs/{p}#" not in text] == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("document, block", _params())
 def test_readme_block(document: Path, block: Block, block_dir: Path):
     prompt = "$ " if block.lang == "bash" else ">>> "

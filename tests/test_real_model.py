@@ -67,6 +67,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_the_docs_convert_adapter_check_holds_on_smollm2(smollm2_dir, tmp_path):
     """docs/converting.md's `convert_adapter` block, as written, with SmolLM2 as its dense-model. Its check was an

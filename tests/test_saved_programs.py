@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.compile
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _SAVE = textwrap.dedent(
@@ -53,10 +55,11 @@ def _run(code: str, *args: str, backend: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("which,backend,op", [
     ("converted", "auto", "hf_moe.moe_experts_forward.default"),  # the compiled CPU op
-    ("converted", "torch", "hf_moe_torch.grouped_mm.default"),
+    pytest.param("converted", "torch", "hf_moe_torch.grouped_mm.default", marks=pytest.mark.oldest),
     ("native_mixtral", "auto", "hf_moe.moe_experts_forward.default"),
     ("quantized", "auto", "hf_moe.moe_experts_infer.default"),  # int8 experts: the inference op
 ])
@@ -73,6 +76,8 @@ def test_saved_program_loads_in_a_fresh_process(which, backend, op, tmp_path):
         assert float(pure.stdout.split("max diff:")[1]) < 1e-5, pure.stdout
 
 
+@pytest.mark.subprocess
+@pytest.mark.oldest
 def test_import_defines_every_op_without_building():
     """After `import hf_moe`, with HF_MOE_BACKEND=torch (nothing may be built), every op of the three namespaces
     resolves, with a schema; triton is not needed to define the Triton ones. (The inference op moe_experts_infer has

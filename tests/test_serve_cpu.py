@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_serve_cpu_smoke_prints_every_table(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")

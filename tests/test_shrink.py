@@ -123,6 +123,7 @@ def test_native_output_loads_in_transformers_and_generates(tmp_path, calib, mode
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "one").config.num_experts_per_tok == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_native_output_loads_without_hf_moe(tmp_path, calib):
     source = _native_dir(tmp_path, "mixtral")
@@ -363,6 +364,7 @@ def test_dynamic_skipping_is_off_by_default_and_threshold_one_is_top_1(moe_dir):
         MoEConfig.from_base(tiny_dense("llama").config, num_experts=4, router_skip_threshold=1.5)
 
 
+@pytest.mark.compile
 @pytest.mark.slow
 def test_dynamic_skipping_marks_small_weights_in_eval_only_and_traces_in_one_graph(moe_dir):
     model = MoEForCausalLM.from_pretrained(moe_dir, router_skip_threshold=0.9)
@@ -437,6 +439,7 @@ def test_a_native_checkpoint_missing_an_expert_is_refused(tmp_path, calib):
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_shrink_benchmark_smoke_run(tmp_path):
     """benchmarks/shrink.py --smoke (tiny random models): every method shrinks and is evaluated, skipping is measured,

@@ -277,6 +277,7 @@ def adapters(saved, tmp_path_factory):
     return root
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_auto_peft_model_with_task_type_in_a_fresh_process(adapters):
     """With task_type="CAUSAL_LM", AutoPeftModelForCausalLM loads the base through AutoModelForCausalLM: in a
@@ -301,6 +302,7 @@ def test_auto_peft_model_with_task_type_in_a_fresh_process(adapters):
     )
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_auto_peft_model_without_task_type_needs_import_allowlist(adapters):
     """Saved without task_type, an adapter records the base class's module (`hf_moe.modeling`), and PEFT refuses to
@@ -331,6 +333,7 @@ def test_auto_peft_model_without_task_type_needs_import_allowlist(adapters):
 # --------------------------------------------------------------------------------------------------------------
 # DeepSpeed
 # --------------------------------------------------------------------------------------------------------------
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deepspeed_zero3_matches_zero2(tmp_path):
@@ -381,6 +384,7 @@ def _loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[f
 REQUESTS = [("the quick", " brown fox"), ("a mixture of", " experts"), ("", "sparse models")]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_lm_eval_hflm_loglikelihood_by_path_in_a_fresh_process(saved, tmp_path):
     """lm-eval builds the model from the path; in a process that never imported hf_moe it said "Transformers does
@@ -422,6 +426,7 @@ def test_pipeline_text_generation_after_import(saved):
     assert out[0]["generated_token_ids"] == _greedy(model, tiny_tokenizer(), "the quick", 8)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_pipeline_text_generation_in_a_fresh_process(saved, tmp_path):
     """Without `import hf_moe`, pipeline(..., trust_remote_code=True) loads through the checkpoint's auto_map."""

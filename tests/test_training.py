@@ -16,6 +16,8 @@ from transformers import Trainer, TrainingArguments
 
 from hf_moe import MoEForCausalLM, convert_to_moe
 
+pytestmark = pytest.mark.oldest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

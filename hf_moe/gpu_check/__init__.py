@@ -14,7 +14,7 @@ their value, share `--budget` seconds (default 420: one 10-minute device call wi
   4. a training step of a converted model (bf16 autocast, after `hf_moe.ops.warmup`) on the Triton backend against
      the torch backend; what HF_MOE_BACKEND=auto runs for bf16 and fp32 experts on this GPU, executed
      (default_choice.py); and an EP x FSDP2 step over NCCL where there are 2 or more GPUs (ep_step.py);
-  5. tests/test_triton.py on CUDA without the interpreter (HF_MOE_BACKEND=triton);
+  5. the Triton tests (tests/test_triton_*.py, marked gpu) on CUDA without the interpreter (HF_MOE_BACKEND=triton);
   6. `compute-sanitizer --tool memcheck` on the small kernel tests, with what is left of the budget.
 
 The run fails (exit status 1) when a step fails, and any Triton op that fell back to torch in any step fails its
@@ -47,7 +47,8 @@ STEPS = [
     StepSpec("speed", "speed at 16k tokens, bf16", "hf_moe.gpu_check.speed:step_speed", most=110, least=45),
     StepSpec("training", "training step, and EP x FSDP2", "hf_moe.gpu_check.steps:step_training_and_expert_parallel",
              most=90, least=40),
-    StepSpec("triton-tests", "tests/test_triton.py", "hf_moe.gpu_check.steps:step_triton_tests", most=240, least=40),
+    StepSpec("triton-tests", "tests/test_triton_*.py", "hf_moe.gpu_check.steps:step_triton_tests", most=240,
+             least=40),
     StepSpec("sanitizer", "compute-sanitizer memcheck", "hf_moe.gpu_check.steps:step_sanitizer", most=None, least=30),
 ]
 BUDGET = 420.0

@@ -18,19 +18,15 @@ import torch
 from .record import FAILED, PASSED, SKIPPED, Step, code_block, triton_fallbacks
 from .runner import ROOT, kill_group
 
-TRITON_TESTS = ROOT / "tests" / "test_triton.py"
-# On a GPU: every test of tests/test_triton.py but the AOT compiles (a real GPU compiles for real) and the two that
-# report the CPU backend (`backend_report()` under HF_MOE_BACKEND=auto builds the C++ extension, which nothing here
-# runs; CI runs them). Under --smoke (the interpreter, CI): a few quick kernel tests, so the step's code runs.
-GPU_TESTS = "not compiles_for_sm90 and not aot_check and not env_reports_the_triton_backend and " \
-            "not cuda_default_is_triton"
-SMOKE_TESTS = "test_sort_by_expert_with_gpu_blocks or test_no_tokens_at_all or " \
-              "(test_grouped_mm_forward_and_dx and dropped)"
-# Under compute-sanitizer (slow): the small kernel tests.
-MEMCHECK_TESTS = "test_sort_by_expert_with_gpu_blocks or (test_permute_and_unpermute and dropped) or " \
-                 "(test_grouped_mm_forward_and_dx and dropped) or (test_grouped_mm_weight_grad and dropped) or " \
-                 "(test_activation_forward_and_backward and silu)"
-LAUNCHES_FILE = "HF_MOE_TRITON_LAUNCHES"  # tests/test_triton.py writes its launch counts and fallbacks there
+TRITON_TESTS = ROOT / "tests"
+TRITON_FILES = "test_triton_*.py"  # the Triton test files, run as one set
+# The tests are chosen by their pytest markers (pyproject.toml). On a GPU (`gpu`): every Triton test but the AOT
+# compiles (a real GPU compiles for real) and the two that report the CPU backend (`backend_report()` under
+# HF_MOE_BACKEND=auto builds the C++ extension, which nothing here runs; CI runs them). Under --smoke (the
+# interpreter, CI; `gpu_smoke`): a few quick kernel tests, so the step's code runs. Under compute-sanitizer (slow;
+# `memcheck`): the small kernel tests.
+GPU_TESTS, SMOKE_TESTS, MEMCHECK_TESTS = "gpu", "gpu_smoke", "memcheck"
+LAUNCHES_FILE = "HF_MOE_TRITON_LAUNCHES"  # the Triton test files write their launch counts and fallbacks there
 MARGIN = 10.0  # seconds a step keeps, within its limit, to record what its own subprocess did
 
 
@@ -76,20 +72,24 @@ def step_environment(step, smoke: bool, limit: float) -> None:
     step.data["runnable"] = usable
 
 
+def _triton_files() -> list[Path]:
+    return sorted(TRITON_TESTS.glob(TRITON_FILES))
+
+
 def _pytest(select: str, timeout: float, prefix: list[str] | None = None, env: dict | None = None, workers: int = 0):
-    """(exit status, output, launches {kernel: count}, fell_back {op: error}) of tests/test_triton.py -k `select`,
-    on `workers` pytest-xdist processes (0: in pytest's own process)."""
+    """(exit status, output, launches {kernel: count}, fell_back {op: error}) of the Triton tests marked `select` (a
+    pytest -m expression), on `workers` pytest-xdist processes (0: in pytest's own process)."""
     with tempfile.TemporaryDirectory() as tmp:
         launches = Path(tmp) / "launches.json"
-        cmd = [*(prefix or []), sys.executable, "-m", "pytest", str(TRITON_TESTS), "-v", "-p", "no:cacheprovider",
-               "-k", select, *(["-n", str(workers)] if workers else [])]
+        cmd = [*(prefix or []), sys.executable, "-m", "pytest", *map(str, _triton_files()), "-v",
+               "-p", "no:cacheprovider", "-m", select, *(["-n", str(workers)] if workers else [])]
         status, out = _run(cmd, timeout, {**(env or {}), LAUNCHES_FILE: str(launches)})
         counts, fell_back = launch_records(launches)
     return status, out, counts, fell_back
 
 
 def launch_records(path: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """({kernel: launches}, {op: error}) that tests/test_triton.py wrote to `path` or, on pytest-xdist workers, to
+    """({kernel: launches}, {op: error}) that the Triton tests wrote to `path` or, on pytest-xdist workers, to
     `path`.gw0, `path`.gw1, ...: summed over the workers."""
     counts, fell_back = {}, {}
     for found in sorted(path.parent.glob(path.name + "*")):
@@ -132,9 +132,16 @@ def _finished_clean(out: str) -> bool:
     return " passed" in line and not any(word in line for word in (" failed", " error"))
 
 
+def _no_triton_tests() -> str | None:
+    """Why the Triton tests cannot run here (None if they can): they live in the source tree, not the package."""
+    if _triton_files():
+        return None
+    return f"skipped: no {TRITON_TESTS / TRITON_FILES} found (run from a source checkout)"
+
+
 def step_triton_tests(step, smoke: bool, limit: float) -> None:
-    if not TRITON_TESTS.is_file():
-        step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
+    if _no_triton_tests():
+        step.status, step.summary = SKIPPED, _no_triton_tests()
         return
     select = SMOKE_TESTS if smoke else GPU_TESTS
     env = {"HF_MOE_BACKEND": "triton"}
@@ -144,7 +151,8 @@ def step_triton_tests(step, smoke: bool, limit: float) -> None:
         f"CUDA, no interpreter, {f'{workers} pytest-xdist workers' if workers else 'one process'}"
     step.fell_back.update(fell_back)
     step.data = dict(where=where, select=select, exit_status=status, launches=launches, output=out[-20000:])
-    step.detail = f"{where}; `pytest {TRITON_TESTS.relative_to(ROOT)} -k \"{select}\"`\n\n{code_block(out)}"
+    files = (TRITON_TESTS / TRITON_FILES).relative_to(ROOT)
+    step.detail = f"{where}; `pytest {files} -m {select}`\n\n{code_block(out)}"
     finished = status is None and _finished_clean(out)  # killed while exiting, after pytest's closing line
     step.status = PASSED if (status == 0 or finished) and launches else FAILED
     ending = "" if status is not None else \
@@ -173,15 +181,15 @@ def step_sanitizer(step, smoke: bool, limit: float) -> None:
         step.status = SKIPPED
         step.summary = "skipped: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)"
         return
-    if not TRITON_TESTS.is_file():
-        step.status, step.summary = SKIPPED, f"skipped: {TRITON_TESTS} not found (run from a source checkout)"
+    if _no_triton_tests():
+        step.status, step.summary = SKIPPED, _no_triton_tests()
         return
     prefix = [tool, "--tool", "memcheck", "--error-exitcode", "1", "--target-processes", "all"]
     status, out, launches, fell_back = _pytest(MEMCHECK_TESTS, limit - MARGIN, prefix, env={"HF_MOE_BACKEND": "triton"})
     errors = [line for line in out.splitlines() if "ERROR SUMMARY" in line]
     step.fell_back.update(fell_back)
     step.data = dict(select=MEMCHECK_TESTS, exit_status=status, launches=launches, output=out[-20000:])
-    step.detail = f"`compute-sanitizer --tool memcheck pytest -k \"{MEMCHECK_TESTS}\"`\n\n{code_block(out)}"
+    step.detail = f"`compute-sanitizer --tool memcheck pytest -m {MEMCHECK_TESTS}`\n\n{code_block(out)}"
     step.status = PASSED if status == 0 else FAILED
     step.summary = (errors[-1].strip() if errors else "no ERROR SUMMARY line") + ("" if status is not None else
                                                                                   "; timed out")
