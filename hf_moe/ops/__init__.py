@@ -26,9 +26,11 @@ from .backend import (
     BACKENDS,
     REFERENCE,
     _compiled,
+    autocast_cast,
     backend_report,
     cuda_default,
     dispatch_ops,
+    expert_weights,
     experts_forward,
     kernel_activation,
     use_backend,
@@ -38,7 +40,7 @@ from .extension import backend_setting, load_extension
 from .warmup import warmup
 
 __all__ = [
-    "BACKENDS", "DispatchOps", "ExpertsFunction", "REFERENCE", "activation_key", "backend_report", "backend_setting",
-    "cuda_default", "dispatch_ops", "experts_forward", "kernel_activation", "library", "load_extension", "reference",
-    "run_experts", "use_backend", "warmup",
+    "BACKENDS", "DispatchOps", "ExpertsFunction", "REFERENCE", "activation_key", "autocast_cast", "backend_report",
+    "backend_setting", "cuda_default", "dispatch_ops", "expert_weights", "experts_forward", "kernel_activation",
+    "library", "load_extension", "reference", "run_experts", "use_backend", "warmup",
 ]

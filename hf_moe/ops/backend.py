@@ -21,6 +21,7 @@ Under `torch.onnx.export` the experts run as standard ops only (dense.py), which
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import sys
 
@@ -33,8 +34,8 @@ from .reference import GROUPED_MM_WHY, KERNEL_ACTIVATIONS
 from .extension import backend_setting, load_extension
 
 __all__ = [
-    "BACKENDS", "REFERENCE", "backend_report", "cuda_default", "dispatch_ops", "experts_forward", "kernel_activation",
-    "use_backend",
+    "BACKENDS", "REFERENCE", "autocast_cast", "backend_report", "cuda_default", "dispatch_ops", "expert_weights",
+    "experts_forward", "forced_backend", "kernel_activation", "use_backend",
 ]
 
 # ACT2FN key -> name of the compiled activation that computes the same function.
@@ -50,42 +51,53 @@ def kernel_activation(name: str) -> str:
     return _KERNEL_NAMES.get(name, name)
 
 
-_loaded: dict[str, object] = {}  # "ops": the compiled DispatchOps or None
+_loaded: dict[int, DispatchOps] = {}  # id(extension module) -> its DispatchOps
 
 
 @torch.compiler.disable  # loading (maybe building) the extension is never traced
-def _load() -> None:
-    module, status = load_extension()
-    ops = torch.ops.hf_moe if module is not None else None
-    _loaded["ops"] = None if ops is None else DispatchOps(
-        "compiled", ops.sort_by_expert, ops.permute, ops.unpermute, ops.grouped_mm, ops.grouped_mm_weight_grad,
-        ops.expert_act, ops.expert_act_backward, ops.moe_experts_forward, ops.moe_experts_backward,
-    )
-
-
 def _compiled() -> DispatchOps | None:
-    """The compiled ops, loading (and on first use building) the extension; None when unavailable."""
-    if "ops" not in _loaded:
-        _load()
-    return _loaded["ops"]
+    """The compiled ops, loading (and on first use building) the extension; None when unavailable (under the current
+    HF_MOE_BACKEND, so HF_MOE_BACKEND=torch set after a first use turns them off)."""
+    module, _ = load_extension()
+    if module is None:
+        return None
+    if id(module) not in _loaded:
+        ops = torch.ops.hf_moe
+        _loaded[id(module)] = DispatchOps(
+            "compiled", ops.sort_by_expert, ops.permute, ops.unpermute, ops.grouped_mm, ops.grouped_mm_weight_grad,
+            ops.expert_act, ops.expert_act_backward, ops.moe_experts_forward, ops.moe_experts_backward,
+        )
+    return _loaded[id(module)]
 
 
 BACKENDS = ("torch", "compiled", "triton")
-_forced: list[str] = []
+# The backend `use_backend` forces in the caller's context (None: HF_MOE_BACKEND decides). A context variable, not a
+# process global: a block in one thread (or asyncio task) does not change what another one runs.
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_moe_forced_backend", default=None)
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the ops of `name` ("torch", "compiled" or "triton") inside the block, whatever HF_MOE_BACKEND says."""
+    """Run the ops of `name` ("torch", "compiled" or "triton") inside the block, whatever HF_MOE_BACKEND says.
+
+    Only the calling thread (or asyncio task) is affected: other threads keep their own choice. A function compiled
+    with `torch.compile` keeps the backend it was traced with; compile it inside the block to trace it with `name`.
+    """
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "compiled" and _compiled() is None:
         raise RuntimeError(f"the compiled backend is unavailable: {load_extension()[1].how}")
-    _forced.append(name)
+    token = _forced.set(name)
     try:
         yield
     finally:
-        _forced.pop()
+        _forced.reset(token)
+
+
+@torch.compiler.assume_constant_result  # a trace keeps the answer it saw (Dynamo cannot read a context variable)
+def forced_backend() -> str | None:
+    """The backend `use_backend` forces in this thread or task, or None."""
+    return _forced.get()
 
 
 def _triton_status(device_type: str) -> tuple[bool, str]:
@@ -124,13 +136,12 @@ def cuda_default(device: torch.device | int | None = None, dtype: torch.dtype = 
     return "triton", f"HF_MOE_BACKEND={setting}; bf16 on sm{major}{minor}: {CUDA_DEFAULT_WHY}"
 
 
-@torch.compiler.disable  # decided once per (device type, CUDA device, dtype), outside any trace
-def _choose(where: tuple[str, int | None, torch.dtype | None]) -> str:
-    """The backend HF_MOE_BACKEND selects for experts on `where` = (device type, CUDA device index, dtype)
+@torch.compiler.disable  # decided once per (setting, device type, CUDA device, dtype), outside any trace
+def _choose(setting: str, where: tuple[str, int | None, torch.dtype | None]) -> str:
+    """The backend HF_MOE_BACKEND=`setting` selects for experts on `where` = (device type, CUDA device index, dtype)
     (load_extension warns, or raises under HF_MOE_BACKEND=compiled, when the C++ extension cannot be built for CPU
     tensors)."""
     device_type, index, dtype = where
-    setting = backend_setting()
     if setting in ("torch", "triton"):
         return setting
     if device_type == "cpu":
@@ -156,6 +167,8 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
         raise RuntimeError(f"the compiled backend (C++) runs on CPU tensors, not {device_type}; on CUDA use "
                            "'auto', 'torch' or 'triton'.")
     compiled = _compiled()
+    if compiled is None:
+        raise RuntimeError(f"the compiled backend is unavailable: {load_extension()[1].how}. Use 'auto' or 'torch'.")
     if activation not in KERNEL_ACTIVATIONS:
         return dataclasses.replace(
             compiled, name=compiled.name + ", activation in torch", expert_act=REFERENCE.expert_act,
@@ -166,27 +179,34 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
 
 def dispatch_ops(device: torch.device, activation: str, dtype: torch.dtype | None = None) -> DispatchOps:
     """The ops to run on `device` for `activation` (a kernel name, see `kernel_activation`) with experts computing in
-    `dtype` (on CUDA the default backend depends on it, `cuda_default`; None counts as fp32)."""
+    `dtype` (on CUDA the default backend depends on it, `cuda_default`; None counts as fp32): the backend
+    `use_backend` forces in this context, else the one HF_MOE_BACKEND selects (read at each call, so a changed
+    setting is honoured; a traced call keeps what it saw)."""
     where = (device.type, device.index, dtype) if device.type == "cuda" else (device.type, None, None)
-    key = (_forced[-1] if _forced else None, where, activation)
+    key = (forced_backend(), _setting(), where, activation)
     _select(key)
     return _variants[key]
 
 
-_chosen: dict[tuple, str] = {}  # (device type, CUDA index, dtype) -> the backend HF_MOE_BACKEND selects there
+_chosen: dict[tuple, str] = {}  # (setting, (device type, CUDA index, dtype)) -> the backend the setting selects there
 _variants: dict[tuple, DispatchOps] = {}
+
+
+@torch.compiler.assume_constant_result
+def _setting() -> str:
+    return backend_setting()
 
 
 @torch.compiler.assume_constant_result  # traced calls run it at trace time: loading and choosing are never traced
 def _select(key: tuple) -> bool:
-    """Pick the ops for (forced backend or None, (device type, CUDA index, dtype), activation) into `_variants`,
-    once per key, loading (maybe building) the extension on the way."""
+    """Pick the ops for (forced backend or None, HF_MOE_BACKEND, (device type, CUDA index, dtype), activation) into
+    `_variants`, once per key, loading (maybe building) the extension on the way."""
     if key not in _variants:
-        backend, where, activation = key
+        backend, setting, where, activation = key
         if backend is None:
-            if where not in _chosen:
-                _chosen[where] = _choose(where)
-            backend = _chosen[where]
+            if (setting, where) not in _chosen:
+                _chosen[setting, where] = _choose(setting, where)
+            backend = _chosen[setting, where]
         _variants[key] = _variant(backend, where[0], activation)
     return True
 
@@ -218,16 +238,18 @@ def experts_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    weights: tuple | None = None,
 ) -> torch.Tensor:
     """Run each token through its k experts and combine the outputs with the routing weights.
 
     `experts` follows transformers' fused-experts layout: `num_experts`, `has_gate`, `act_fn`, and either
     `gate_up_proj` [E, 2I, H] (gate rows first) or `up_proj` [E, I, H], then `down_proj` [E, H, I], with
-    optional `*_bias` [E, out].
+    optional `*_bias` [E, out]. `weights`: (w1, b1, w2, b2) to compute with instead of the module's own
+    (`expert_weights`); expert parallelism passes its process's block of them, [E / P, ...].
 
     Under autocast (`torch.autocast`, as `Trainer(bf16=True)` runs a model whose weights stay fp32) the inputs and
-    the expert weights are cast to the autocast dtype first, as autocast does for `nn.Linear`, and the experts run
-    in it; the weights' gradients come back in their own dtype through the cast.
+    the expert weights are cast to the autocast dtype first (`autocast_cast`), and the experts run in it; the weights'
+    gradients come back in their own dtype through the cast.
 
     Args:
         hidden_states: [N, H]; top_k_index: [N, k] int; top_k_weights: [N, k].
@@ -235,19 +257,30 @@ def experts_forward(
         [N, H] in `hidden_states.dtype` (the autocast dtype under autocast).
     """
     activation = kernel_activation(_activation_of(experts))
-    w1, b1, w2, b2 = expert_weights(experts)
+    w1, b1, w2, b2 = expert_weights(experts) if weights is None else weights
     device_type = hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden_states, w1, b1, w2, b2 = (None if t is None else t.to(dtype) for t in (hidden_states, w1, b1, w2, b2))
+        hidden_states, w1, b1, w2, b2 = autocast_cast(hidden_states, w1, b1, w2, b2)
         with torch.autocast(device_type, enabled=False):
             return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
     return _run(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, experts.has_gate)
 
 
+def autocast_cast(*tensors: torch.Tensor | None) -> tuple:
+    """`tensors` (None kept; the first is a tensor) cast to the dtype `torch.autocast` computes `nn.Linear` in on their
+    device, as autocast casts a Linear's input and weight; unchanged outside autocast. What the experts compute in
+    (`experts_forward`), and what expert parallelism sends the tokens in."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
 def expert_weights(experts: torch.nn.Module) -> tuple:
     """(w1, b1, w2, b2) of an experts module in transformers' fused layout (`experts_forward`): w1 `gate_up_proj`
-    [E, 2I, H] with a gate, else `up_proj` [E, I, H]; w2 `down_proj` [E, H, I]; the biases or None."""
+    [E, 2I, H] with a gate, else `up_proj` [E, I, H]; w2 `down_proj` [E, H, I]; the biases or None. The one place that
+    chooses between the gated and the plain layout's tensors."""
     if experts.has_gate:
         w1, b1 = experts.gate_up_proj, getattr(experts, "gate_up_proj_bias", None)
     else:

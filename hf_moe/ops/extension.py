@@ -258,12 +258,25 @@ def _prebuilt():
     return importlib.import_module("hf_moe._C")
 
 
-@functools.cache
 def load_extension() -> tuple[object | None, ExtensionStatus]:
-    """The extension module (or None) and how it was found. Warns once when it cannot be used."""
+    """The extension module (or None) and how it was found, under the current HF_MOE_BACKEND (read at each call, so a
+    changed setting is honoured). Found or built once per process; warns once when it cannot be used, and raises
+    under HF_MOE_BACKEND=compiled."""
     setting = backend_setting()
     if setting == "torch":
         return None, ExtensionStatus(False, "disabled by HF_MOE_BACKEND=torch")
+    module, status, error = _find_or_build()
+    reason = status.how.removeprefix("build failed: ")
+    if module is None and setting == "compiled":
+        raise RuntimeError(f"HF_MOE_BACKEND=compiled, but the extension failed to build ({reason}).") from error
+    if module is None:
+        _warn_fallback(reason)
+    return module, status
+
+
+@functools.cache
+def _find_or_build() -> tuple[object | None, ExtensionStatus, Exception | None]:
+    """(module or None, how it was found or why not, the build's error) for this process: tried once."""
     module = _prebuilt()
     how = "prebuilt hf_moe._C (HF_MOE_BUILD_EXT=1 pip install)"
     if module is None:
@@ -271,14 +284,16 @@ def load_extension() -> tuple[object | None, ExtensionStatus]:
             module, how = build()
         except Exception as err:  # a compiler problem must not stop the model from running
             reason = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
-            if setting == "compiled":
-                raise RuntimeError(f"HF_MOE_BACKEND=compiled, but the extension failed to build ({reason}).") from err
-            warnings.warn(
-                f"hf_moe: the compiled extension could not be built ({reason}); running the pure-torch ops "
-                "instead (correct, slower). Set HF_MOE_BACKEND=torch to silence this, or see "
-                "`python -m hf_moe.env`.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return None, ExtensionStatus(False, f"build failed: {reason}")
-    return module, ExtensionStatus(True, how)
+            return None, ExtensionStatus(False, f"build failed: {reason}"), err
+    return module, ExtensionStatus(True, how), None
+
+
+@functools.cache  # once per process
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(
+        f"hf_moe: the compiled extension could not be built ({reason}); running the pure-torch ops "
+        "instead (correct, slower). Set HF_MOE_BACKEND=torch to silence this, or see "
+        "`python -m hf_moe.env`.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
