@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from ..compat import init
+from ..ops import expert_weights as ops_expert_weights
 from ..ops import experts_forward, reference
 
 
@@ -84,10 +85,8 @@ class Experts(nn.Module):
         Returns:
             [N, H]: for each token, the weighted sum of the outputs of the experts that took it (zero if none).
         """
-        w1 = self.gate_up_proj if self.has_gate else self.up_proj
-        b1 = self.gate_up_proj_bias if self.has_gate else self.up_proj_bias
-        return batched_expert_choice(hidden_states, expert_index, expert_weights, w1, b1, self.down_proj,
-                                     self.down_proj_bias, self.activation, self.has_gate)
+        return batched_expert_choice(hidden_states, expert_index, expert_weights, *ops_expert_weights(self),
+                                     self.activation, self.has_gate)
 
     def extra_repr(self) -> str:
         kind = "glu" if self.has_gate else "mlp"

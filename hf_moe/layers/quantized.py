@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..ops import dispatch_ops, experts_forward, kernel_activation, reference
+from ..ops import dispatch_ops, expert_weights, experts_forward, kernel_activation, reference
 from ..ops.activations import activation_key
 from ..ops.infer import experts_infer
 from ..ops.int8 import _check_group, dequantize_int8, quantize_int8
@@ -74,22 +74,21 @@ class QuantizedExperts(nn.Module):
     def from_experts(cls, experts: nn.Module, group_size: int | None = None) -> QuantizedExperts:
         """Quantize an `Experts` module (or a transformers experts module of the same layout): each output channel
         (or group) of every expert scaled by its max |w| / 127."""
-        up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+        up, up_bias, down, down_bias = expert_weights(experts)
         e, _, h = up.shape
         activation = getattr(experts, "activation", None) or activation_key(experts.act_fn)
         if activation is None:
             raise ValueError(f"Cannot tell which activation {experts.act_fn!r} computes: give {type(experts).__name__} "
                              "an `activation` attribute naming its ACT2FN key.")
-        up_bias = getattr(experts, "gate_up_proj_bias" if experts.has_gate else "up_proj_bias", None)
-        quantized = cls(e, h, experts.down_proj.shape[2], experts.has_gate, up_bias is not None, activation,
-                        group_size, bias_dtype=up.dtype)
-        for name, weight in ((quantized.up_name, up), ("down_proj", experts.down_proj)):
+        quantized = cls(e, h, down.shape[2], experts.has_gate, up_bias is not None, activation, group_size,
+                        bias_dtype=up.dtype)
+        for name, weight in ((quantized.up_name, up), ("down_proj", down)):
             q, scale = quantize_int8(weight, group_size)
             getattr(quantized, name).copy_(q)
             getattr(quantized, f"{name}_scale").copy_(scale)
         if up_bias is not None:
             getattr(quantized, f"{quantized.up_name}_bias").copy_(up_bias)
-            quantized.down_proj_bias.copy_(experts.down_proj_bias)
+            quantized.down_proj_bias.copy_(down_bias)
         return quantized.to(up.device)
 
     def _apply(self, fn, recurse=True):
