@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .compat import CACHE_NAME, skipping_guards, static_cache_layers
-from .decode_native import DecodePlan, max_batch, native_reason, plan_for
+from .decode_native import DecodePlan, max_batch, moe_layers, native_reason, plan_for
 from .huge_pages import back_with_huge_pages
 from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .ops import backend_setting, load_extension
@@ -129,7 +129,7 @@ def _call_reason(model, batch: int | None) -> str | None:
                    if m._forward_hooks or m._forward_pre_hooks), None)
     if hooked is not None:
         return f"{hooked} has forward hooks, which the one-op step would not run"
-    recorder = model.model.layers[0].mlp.router_recorder
+    recorder = moe_layers(model)[0].mlp.router_recorder
     if recorder is not None and recorder.outputs is not None:
         return "routing is being recorded"
     limit = max_batch(model)
@@ -157,7 +157,7 @@ def choose_decode(model, batch: int | None = None, config=None) -> DecodeChoice:
     reason = native_reason(model) or _call_reason(model, batch)
     if reason is not None:
         return DecodeChoice(otherwise, reason)
-    return DecodeChoice(ONE_OP, "every layer is one hf_moe::decode_step computes; nothing is compiled")
+    return DecodeChoice(ONE_OP, "every layer is one the plan's one-op step computes; nothing is compiled")
 
 
 def say(model, choice: DecodeChoice) -> None:
@@ -215,31 +215,33 @@ class FusedDecodeStep:
         self.compiled = (torch.compile(self.forward, fullgraph=True, dynamic=False, options=config.options or None)
                          if getattr(config, "compile", True) else None)
         self.trusted = None  # the (cache, shapes) whose step passed every guard in this generate call; None: none
-        self.decided: tuple | None = None  # (batch, DecodeChoice, plan or None) of this generate call
+        # {batch: (DecodeChoice, plan or None)} of this generate call (by batch: threads may share the step)
+        self.decided: dict[int, tuple] = {}
         self.huge_page_bytes = 0  # of the model's weights the kernel put on huge pages at the last call's start
 
     @property
     def choice(self) -> DecodeChoice | None:
         """The engine of this generate call's decode steps (None: none decided yet)."""
-        return None if self.decided is None else self.decided[1]
+        return next(iter(self.decided.values()))[0] if self.decided else None
 
     def reset(self) -> None:
         """A `generate` call begins or ends: the next call's first step evaluates every guard again and decides its
         engine again (`choose_decode`; the plan is rebuilt there if the model changed: `plan_for`)."""
         self.trusted = None
-        self.decided = None
+        self.decided = {}
 
     def _engine(self, batch: int) -> tuple[DecodeChoice, DecodePlan | None]:
         """The engine of a decode step of `batch` rows: decided at the first step of each generate call, where the
         weights are also asked onto huge pages (hf_moe.huge_pages: the step streams them; the first time about a
         second per GiB, milliseconds after)."""
-        if self.decided is None or self.decided[0] != batch:
+        decided = self.decided.get(batch)
+        if decided is None:
             choice = choose_decode(self.model, batch, self.config)
             say(self.model, choice)
-            if self.huge_pages and choice.engine in (ONE_OP, FUSED):
+            if self.huge_pages and not self.decided and choice.engine in (ONE_OP, FUSED):
                 self.huge_page_bytes = back_with_huge_pages([*self.model.parameters(), *self.model.buffers()])
-            self.decided = (batch, choice, plan_for(self.model) if choice.engine == ONE_OP else None)
-        return self.decided[1], self.decided[2]
+            decided = self.decided[batch] = (choice, plan_for(self.model) if choice.engine == ONE_OP else None)
+        return decided
 
     def _decode_call(self, kwargs: dict) -> tuple | None:
         """(input_ids, position_ids, mask, cache layers) of a call that is one decode token (forward's keyword

@@ -1,6 +1,6 @@
 """The whole decode step in one call: a plan of the model (`DecodePlan`), built once from named fields and kept
-while the weights stay the same, whose step (`hf_moe::decode_step`, csrc/cpu/decode_step_cpu.cpp) runs every layer's
-kernels in C++ with nothing compiled.
+while the weights stay the same, whose step (`torch.classes.hf_moe.DecodePlan`, csrc/cpu/decode_step_cpu.cpp) runs
+every layer's kernels in C++ with nothing compiled.
 
 `hf_moe.decode.FusedDecodeStep` compiles its step with inductor's C++ wrapper: the program still runs, per layer, a
 dozen small kernels, allocations and dispatcher calls between the attention sub-block and the experts (the router's
@@ -11,10 +11,13 @@ compilation (the compiled step's first call took 80 to 100 s with inductor's cac
 
 Which models it serves (`native_reason`, asked by `hf_moe.decode.choose_decode` after the fused step's own checks):
 
-  * every decoder layer's MLP an hf_moe `SparseMoeBlock` with the plain `topk` router (softmax, top-k, optionally
-    renormalised; no dynamic skipping, capacity or unit weights), no shared experts and no output bias, and experts
-    the compiled kernel computes as the eager model does (fp32 or bf16 on an AVX-512 BF16 CPU, or int8), all
-    layers with one top-k, renormalisation, activation and GLU;
+  * every decoder layer's MLP either an hf_moe `SparseMoeBlock` with the plain `topk` router (softmax, top-k,
+    optionally renormalised; no dynamic skipping, capacity or unit weights), no output bias, and experts the
+    compiled kernel computes as the eager model does (fp32 or bf16 on an AVX-512 BF16 CPU, or int8), all MoE
+    layers with one top-k, renormalisation, activation and GLU; its shared experts (Qwen2-MoE's, gated or not), if
+    any, and
+  * a dense MLP of Llama's kind (a layer the conversion left dense) are computed with the kernels their eager modules
+    call (`nn.Linear`: ATen's; int8 `QuantizedLinear`: hf_moe's), activations silu, gelu, gelu_pytorch_tanh or relu;
   * a rotary embedding whose values depend on the position alone (rope types default, linear, llama3, yarn): its
     values for every position of the cache are computed once per cache length, by the model's own module.
 
@@ -39,17 +42,20 @@ import threading
 
 import torch
 
-from .layers.block import SparseMoeBlock
+from .layers.block import SharedExperts, SparseMoeBlock
 from .layers.experts import Experts
 from .layers.quantized import QuantizedExperts
-from .layers.quantized_linear import linear_weights
+from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .layers.router import TopKRouter
 from .ops import backend_setting, infer, load_extension, reference
+from .ops.activations import activation_key
 from .ops.backend import _activation_of, expert_weights, kernel_activation
 
 # Rope types whose cos/sin depend on the position alone (transformers' dynamic and longrope types change with the
 # sequence's length).
 ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+DENSE_MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}  # down(act(gate(x)) * up(x))
+ACTIVATIONS = {"silu", "gelu", "gelu_pytorch_tanh", "relu"}  # of dense MLPs and shared experts (ATen's kernels)
 PLAN = "_hf_moe_decode_plan"  # the model's plan, in its __dict__ (not a module attribute: never saved or moved)
 _BUILDING = threading.Lock()  # one thread builds a model's plan; the others use it
 
@@ -71,15 +77,37 @@ def _experts_fields(experts, dtype: torch.dtype) -> tuple[dict, str, bool] | Non
     return dict(w1=w1, w1_scale=None, b1=b1, w2=w2, w2_scale=None, b2=b2), activation, experts.has_gate
 
 
+def _dense_reason(what: str, mlp) -> str | None:
+    """Why `mlp` (a dense layer's MLP or shared experts) is not one the op computes as its modules do, or None."""
+    glu = getattr(mlp, "glu", True)
+    names = ("gate_proj", "up_proj", "down_proj") if glu else ("up_proj", "down_proj")
+    if not all(type(getattr(mlp, n, None)) in (torch.nn.Linear, QuantizedLinear) for n in names):
+        return f"{what}'s projections are not linear layers"
+    if activation_key(getattr(mlp, "act_fn", None)) not in ACTIVATIONS:
+        return f"{what}'s activation is not one of {', '.join(sorted(ACTIVATIONS))}"
+    return None
+
+
 def _block_reason(i: int, block, experts: tuple | None) -> str | None:
     """Why layer i's MLP `block` (its `_experts_fields`: `experts`) is not one the op computes, or None."""
+    if type(block).__name__ in DENSE_MLPS:
+        return _dense_reason(f"layer {i}'s MLP", block)
     if type(block) is not SparseMoeBlock:
-        return f"layer {i}'s MLP is a {type(block).__name__}, not an hf_moe SparseMoeBlock"
+        return f"layer {i}'s MLP is a {type(block).__name__}, not an hf_moe SparseMoeBlock or a dense MLP"
     gate = block.gate
     if type(gate) is not TopKRouter or gate.skip_threshold or gate.unit_weights or gate.capacity(1) is not None:
         return f"layer {i}'s router is not a plain top-k router ({gate.extra_repr()})"
-    if block.shared_experts is not None or block.bias is not None or (block.dropout is not None and block.training):
-        return f"layer {i}'s MoE block has shared experts, an output bias or dropout"
+    if block.bias is not None or (block.dropout is not None and block.training):
+        return f"layer {i}'s MoE block has an output bias or dropout"
+    if block.shared_experts is not None:
+        reason = (f"layer {i}'s shared experts are not an hf_moe SharedExperts"
+                  if type(block.shared_experts) is not SharedExperts
+                  else _dense_reason(f"layer {i}'s shared experts", block.shared_experts))
+        gate = block.shared_expert_gate
+        if reason is None and gate is not None and (type(gate) is not torch.nn.Linear or gate.bias is not None):
+            reason = f"layer {i}'s shared expert gate is not a linear layer without bias"
+        if reason is not None:
+            return reason
     if experts is None or experts[1] not in reference.KERNEL_ACTIVATIONS:
         return (f"layer {i}'s experts ({type(block.experts).__name__}) do not run the compiled inference kernel "
                 f"(fp32 and bf16 experts: on CPUs with AVX-512 BF16 only; int8 experts everywhere)")
@@ -100,18 +128,24 @@ def native_reason(model) -> str | None:
         reason = _block_reason(i, layer.mlp, experts)
         if reason is not None:
             return reason
-        gate = layer.mlp.gate
-        shared.add((gate.top_k, bool(gate.norm_topk_prob), experts[1], experts[2]))
+        if type(layer.mlp) is SparseMoeBlock:
+            gate = layer.mlp.gate
+            shared.add((gate.top_k, bool(gate.norm_topk_prob), experts[1], experts[2]))
     if len(shared) != 1:
-        return "its layers differ in top-k, renormalisation, activation or GLU"
+        return ("it has no MoE layer" if not shared
+                else "its MoE layers differ in top-k, renormalisation, activation or GLU")
     return None
+
+
+def moe_layers(model) -> list:
+    """The decoder layers whose MLP is an hf_moe `SparseMoeBlock`."""
+    return [layer for layer in model.model.layers if type(layer.mlp) is SparseMoeBlock]
 
 
 def max_batch(model) -> int | None:
     """The most rows one step may decode (None: any): what the experts' kernel takes in eager mode too, any rows for
     int8 experts, `infer.MAX_TOKENS` of the dtype otherwise."""
-    layers = model.model.layers
-    if all(type(layer.mlp.experts) is QuantizedExperts for layer in layers):
+    if all(type(layer.mlp.experts) is QuantizedExperts for layer in moe_layers(model)):
         return None
     return infer.MAX_TOKENS.get(model.model.embed_tokens.weight.dtype)
 
@@ -121,32 +155,50 @@ def _linear(prefix: str, module) -> dict:
     return {f"{prefix}.weight": weight, f"{prefix}.scale": scale, f"{prefix}.bias": bias}
 
 
-def layer_fields(layer, dtype: torch.dtype) -> tuple[dict, dict]:
-    """({name: tensor or None}, {name: number}) of one decoder layer, as the op reads them by name
+def _dense_fields(prefix: str, mlp) -> tuple[dict, dict, dict]:
+    glu = getattr(mlp, "glu", True)
+    tensors = {**(_linear(f"{prefix}.gate", mlp.gate_proj) if glu else {}), **_linear(f"{prefix}.up", mlp.up_proj),
+               **_linear(f"{prefix}.down", mlp.down_proj)}
+    return tensors, {f"{prefix}.glu": float(glu)}, {f"{prefix}.activation": activation_key(mlp.act_fn)}
+
+
+def layer_fields(layer, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    """({name: tensor or None}, {name: number}, {name: str}) of one decoder layer, as the op reads them by name
     (csrc/cpu/decode_step_cpu.cpp, `LayerPlan`). Adding a tensor to a layer is one entry here and one read there."""
     attention, block = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
-    experts, _, _ = _experts_fields(block.experts, dtype)
     tensors = {
         "input_norm": layer.input_layernorm.weight,
         **_linear("q", attention.q_proj), **_linear("k", attention.k_proj), **_linear("v", attention.v_proj),
         **_linear("o", attention.o_proj),
         "q_norm": None if q_norm is None else q_norm.weight, "k_norm": None if k_norm is None else k_norm.weight,
         "post_norm": layer.post_attention_layernorm.weight,
-        "router": block.gate.weight,
-        **experts,
     }
     numbers = {"head_dim": attention.head_dim, "eps": layer.input_layernorm.variance_epsilon,
                "qk_eps": 1e-6 if q_norm is None else q_norm.variance_epsilon, "scaling": attention.scaling,
                "post_eps": layer.post_attention_layernorm.variance_epsilon}
-    return tensors, numbers
+    names = {}
+    if type(block) is not SparseMoeBlock:  # a dense MLP
+        more = _dense_fields("mlp", block)
+    else:
+        experts, _, _ = _experts_fields(block.experts, dtype)
+        more = ({"router": block.gate.weight, **experts}, {}, {})
+        if block.shared_experts is not None:
+            t, n, a = _dense_fields("shared", block.shared_experts)
+            gate = block.shared_expert_gate
+            more = ({**more[0], **t, "shared_gate": None if gate is None else gate.weight}, n, a)
+    tensors.update(more[0])
+    numbers.update(more[1])
+    names.update(more[2])
+    return tensors, numbers, names
 
 
 def model_fields(model) -> tuple[dict, dict]:
     """({name: tensor or None}, {name: number, str or bool}) of what the step reads outside the layers."""
     backbone = model.model
-    gate = backbone.layers[0].mlp.gate
-    _, activation, glu = _experts_fields(backbone.layers[0].mlp.experts, backbone.embed_tokens.weight.dtype)
+    block = moe_layers(model)[0].mlp
+    gate = block.gate
+    _, activation, glu = _experts_fields(block.experts, backbone.embed_tokens.weight.dtype)
     tensors = {"embed": backbone.embed_tokens.weight, "final_norm": backbone.norm.weight,
                **_linear("lm_head", model.lm_head), "inv_freq": getattr(backbone.rotary_emb, "inv_freq", None)}
     settings = {"final_eps": backbone.norm.variance_epsilon, "top_k": gate.top_k,
@@ -154,19 +206,20 @@ def model_fields(model) -> tuple[dict, dict]:
     return tensors, settings
 
 
-def _fields(model) -> list[tuple[dict, dict]]:
+def _fields(model) -> list[tuple]:
     dtype = model.model.embed_tokens.weight.dtype
     return [model_fields(model), *(layer_fields(layer, dtype) for layer in model.model.layers)]
 
 
-def fingerprint(fields: list[tuple[dict, dict]]) -> tuple:
+def fingerprint(fields: list[tuple]) -> tuple:
     """What the plan read, as it was: each tensor's identity, address, dtype, shape and version counter, and every
     number (module docstring: what a change of it detects)."""
     key = []
-    for tensors, numbers in fields:
+    for tensors, *settings in fields:
         for name, t in tensors.items():
             key.append(None if t is None else (name, id(t), t.data_ptr(), t.dtype, tuple(t.shape), t._version))
-        key.extend(numbers.items())
+        for values in settings:
+            key.extend(values.items())
     return tuple(key)
 
 
@@ -175,7 +228,7 @@ class DecodePlan:
     the workspace reused across steps. Call it as `FusedDecodeStep.forward`: (input_ids [B, 1], position_ids
     [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V]."""
 
-    def __init__(self, model, fields: list[tuple[dict, dict]] | None = None):
+    def __init__(self, model, fields: list[tuple] | None = None):
         if load_extension()[0] is None:  # registers torch.classes.hf_moe.DecodePlan
             raise RuntimeError("the one-op decode step needs hf_moe's compiled extension (`python -m hf_moe.env` "
                                "says why it is not loaded)")
@@ -190,8 +243,8 @@ class DecodePlan:
         self.op = torch.classes.hf_moe.DecodePlan(
             _present(tensors), {"final_eps": float(settings["final_eps"])}, settings["top_k"],
             settings["norm_topk_prob"], settings["activation"], settings["glu"])
-        for layer_tensors, numbers in layers:  # checked once here, by name (csrc/cpu/decode_step_cpu.cpp, LayerPlan)
-            self.op.add_layer(_present(layer_tensors), {k: float(v) for k, v in numbers.items()})
+        for layer_tensors, numbers, names in layers:  # checked once here, by name (decode_step_cpu.cpp, LayerPlan)
+            self.op.add_layer(_present(layer_tensors), {k: float(v) for k, v in numbers.items()}, names)
 
     def _rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, D] of positions 0 .. length - 1, from the model's rotary module (what it gives for

@@ -103,6 +103,27 @@ def test_the_plain_call_runs_the_one_op_step_with_the_eager_tokens_and_scores(ex
     assert torch.equal(again.sequences, eager.sequences)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stack", ["shared_experts", "gated_shared_experts", "dense_layer"])
+def test_shared_experts_and_dense_layers_run_in_the_plan_with_the_eager_tokens_and_scores(stack, dtype, plans):
+    """Qwen2-MoE's shared experts (gated or not) and a layer the conversion left dense run in the plan, with the
+    kernels their eager modules call; a left-padded batch."""
+    convert = {"dense_layer": dict(layers=[0, 2])}.get(stack, dict(num_shared_experts=1))
+    moe = model_with("int8", dtype, family="qwen2", **convert)
+    if stack == "gated_shared_experts":  # as config.shared_expert_gate builds it (hf-moe merge, architecture qwen)
+        torch.manual_seed(1)
+        for layer in moe.model.layers:
+            layer.mlp.shared_expert_gate = torch.nn.Linear(moe.config.hidden_size, 1, bias=False).to(dtype)
+    assert choose_decode(moe, 2).engine == "one_op"
+    ids = random_ids(2, 9, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    eager = greedy(moe, ids, 6, mask=mask, **EAGER)
+    fast = greedy(moe, ids, 6, mask=mask)
+    assert len(plans) == 1 and plans[0].calls == 5
+    assert_same(eager, fast, dtype)
+
+
 def test_pipeline_and_the_cli_run_the_one_op_step_by_default(plans, tmp_path, capsys):
     from hf_moe.cli import main
 
@@ -140,16 +161,16 @@ def test_an_explicit_choice_is_obeyed(plans):
 
 
 def test_where_only_a_compiled_step_would_serve_the_plain_call_stays_eager_and_says_why(plans, caplog):
-    moe = model_with("int8", num_shared_experts=1)  # shared experts: the compiled fused step only
+    moe = model_with("int8", router_type="noisy_topk")  # not a plain top-k router: the compiled fused step only
     choice = choose_decode(moe, 1)
-    assert choice.engine == "eager" and "shared experts" in choice.reason
+    assert choice.engine == "eager" and "router" in choice.reason
     assert choose_decode(moe, 1, decode_compile_config()).engine == "fused"
     ids = random_ids(1, 8, seed=3)
     with caplog.at_level(logging.INFO, logger="hf_moe"):
         out = greedy(moe, ids, 4)  # plans refuses torch.compile: nothing compiles
         greedy(moe, ids, 4)
     said = [r.getMessage() for r in caplog.records if "decodes with" in r.getMessage()]
-    assert len(said) == 1 and "eager engine" in said[0] and "shared experts" in said[0], said
+    assert len(said) == 1 and "eager engine" in said[0] and "router" in said[0], said
     assert not plans and torch.equal(out.sequences, greedy(moe, ids, 4, **EAGER).sequences)
 
 
@@ -206,16 +227,16 @@ def test_the_plan_names_its_fields_and_refuses_missing_or_misfit_ones():
 
     moe = model_with("int8")
     tensors, settings = model_fields(moe)
-    layer, numbers = layer_fields(moe.model.layers[0], torch.float32)
+    layer, numbers, names = layer_fields(moe.model.layers[0], torch.float32)
     assert {"input_norm", "q.weight", "k.bias", "router", "w1", "w2_scale"} <= set(layer)
-    assert set(numbers) == {"head_dim", "eps", "qk_eps", "scaling", "post_eps"}
+    assert set(numbers) == {"head_dim", "eps", "qk_eps", "scaling", "post_eps"} and names == {}
 
     def build(layer_tensors):
         plan = torch.classes.hf_moe.DecodePlan(
             {k: v for k, v in tensors.items() if v is not None}, {"final_eps": settings["final_eps"]},
             settings["top_k"], settings["norm_topk_prob"], settings["activation"], settings["glu"])
-        plan.add_layer({k: v for k, v in layer_tensors.items() if v is not None}, {k: float(v) for k, v in
-                                                                                  numbers.items()})
+        plan.add_layer({k: v for k, v in layer_tensors.items() if v is not None},
+                       {k: float(v) for k, v in numbers.items()}, names)
         return plan
 
     assert build(layer).num_layers() == 1

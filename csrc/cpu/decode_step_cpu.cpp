@@ -2,16 +2,17 @@
 // (hf_moe/decode_native.py builds it and says which models it serves):
 //
 //   plan = DecodePlan(model_tensors, model_numbers, top_k, norm_topk_prob, activation, glu)
-//   plan.add_layer(layer_tensors, layer_numbers)          once per decoder layer, in order
+//   plan.add_layer(layer_tensors, layer_numbers, layer_names)   once per decoder layer, in order
 //   plan.step(input_ids [B, 1], position_ids [B, 1], mask [B, L]?, cos [P, D], sin [P, D], keys, values, lengths)
 //       -> logits [B, 1, V]
 //
 // Every field is passed by name (a dict of tensors, a dict of numbers; a tensor the layer does not have is left
 // out), read in one place (`LayerPlan`, `DecodePlan`'s constructor) and checked there, once: the weights against
 // each other, the router cast to fp32, the biases to the activations' dtype. A step only computes: the embedding
-// row; per layer the attention sub-block (attention_block, on the plan's workspace), the router (the eager
-// router's fp32 logits and softmax by ATen's kernels, top-k, renormalisation and cast: moe_block), the experts
-// (moe_experts_infer_cpu) and the residual add; then the final norm and the LM head (linear_infer_cpu). Per call it
+// row; per layer the attention sub-block (attention_block, on the plan's workspace), then an MoE block (the eager
+// router's fp32 logits and softmax by ATen's kernels, top-k, renormalisation and cast: moe_block; the experts,
+// moe_experts_infer_cpu; the shared experts, optionally gated, by the kernels their eager modules call) or a dense
+// MLP (DenseMLP), and the residual add; then the final norm and the LM head (linear_infer_cpu). Per call it
 // checks only what the call brings (ids, caches, mask). The plan's buffers are made for the largest batch seen and
 // reused; one step runs at a time (a mutex: two threads may share a plan). `cos` and `sin` are the rotary
 // embedding's values for every position the cache holds; a row's values are those of its position id. The caches
@@ -33,6 +34,7 @@ namespace {
 
 using Tensors = c10::Dict<std::string, at::Tensor>;
 using Numbers = c10::Dict<std::string, double>;
+using Names = c10::Dict<std::string, std::string>;
 
 std::string where(int64_t layer) { return layer < 0 ? "the model" : "layer " + std::to_string(layer); }
 
@@ -59,21 +61,102 @@ c10::optional<at::Tensor> cast(const c10::optional<at::Tensor>& t, at::ScalarTyp
   return t->to(dt).contiguous();
 }
 
+std::string name_of(const Names& n, const std::string& name, int64_t layer) {
+  const auto it = n.find(name);
+  TORCH_CHECK(it != n.end(), "DecodePlan: ", where(layer), " has no setting ", name);
+  return it->value();
+}
+
+// A dense MLP (a dense layer's, or an MoE block's shared experts, under `prefix`: "mlp" or "shared"), computed with
+// the ATen and hf_moe kernels its eager modules call (nn.Linear: at::linear; int8 QuantizedLinear: linear_infer),
+// so with the eager model's bits: down(act(gate(x)) * up(x)), or down(act(up(x))) without a gate.
+struct DenseMLP {
+  bool glu = false;
+  std::string activation;
+  at::Tensor gate, up, down;
+  c10::optional<at::Tensor> gate_scale, up_scale, down_scale, gate_bias, up_bias, down_bias;
+
+  DenseMLP() = default;
+  DenseMLP(const Tensors& t, const Numbers& n, const Names& names, const std::string& prefix, at::ScalarType dt,
+           int64_t i, int64_t hidden) {
+    glu = number(n, prefix + ".glu", i) != 0.0;
+    activation = name_of(names, prefix + ".activation", i);
+    TORCH_CHECK(activation == "silu" || activation == "gelu" || activation == "gelu_pytorch_tanh" ||
+                    activation == "relu",
+                "DecodePlan: ", where(i), "'s ", prefix, " activation ", activation,
+                " is not one of silu, gelu, gelu_pytorch_tanh, relu");
+    read(t, prefix + ".up", dt, i, up, up_scale, up_bias);
+    read(t, prefix + ".down", dt, i, down, down_scale, down_bias);
+    if (glu) read(t, prefix + ".gate", dt, i, gate, gate_scale, gate_bias);
+    const int64_t inter = up.size(0);
+    TORCH_CHECK(up.size(1) == hidden && down.size(0) == hidden && down.size(1) == inter &&
+                    (!glu || gate.sizes() == up.sizes()),
+                "DecodePlan: ", where(i), "'s ", prefix, " projections do not fit hidden ", hidden, ": up ",
+                up.sizes(), ", down ", down.sizes());
+  }
+
+  static void read(const Tensors& t, const std::string& name, at::ScalarType dt, int64_t i, at::Tensor& w,
+                   c10::optional<at::Tensor>& scale, c10::optional<at::Tensor>& bias) {
+    w = need(t, name + ".weight", i);
+    scale = maybe(t, name + ".scale");
+    bias = maybe(t, name + ".bias");
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == dt || w.scalar_type() == at::kChar) &&
+                    (w.scalar_type() == at::kChar) == scale.has_value(),
+                "DecodePlan: ", where(i), "'s ", name, " must be a contiguous [out, in] weight of ", dt,
+                " (or int8 with its scales), got ", w.scalar_type(), " ", w.sizes());
+    if (scale.has_value()) bias = cast(bias, dt);  // as QuantizedLinear casts it
+  }
+
+  static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& bias) {
+    if (scale.has_value()) return linear_infer_cpu(x, w, scale, bias, "auto");
+    return at::linear(x, w, bias);
+  }
+
+  at::Tensor act(const at::Tensor& x) const {
+    if (activation == "silu") return at::silu(x);
+    if (activation == "relu") return at::relu(x);
+    return at::gelu(x, activation == "gelu" ? "none" : "tanh");
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor h = glu ? at::mul(act(linear(x, gate, gate_scale, gate_bias)), linear(x, up, up_scale, up_bias))
+                             : act(linear(x, up, up_scale, up_bias));
+    return linear(h, down, down_scale, down_bias);
+  }
+};
+
 // One decoder layer, read by name from its dicts (hf_moe.decode_native.layer_fields names them): adding a tensor
 // to a layer is one field and one read here.
 struct LayerPlan {
   AttentionWeights attention;
+  bool moe = false;  // an MoE block (router, experts, optional shared experts), else a dense MLP (`mlp`)
   at::Tensor router;  // fp32 [E, H]
   at::Tensor w1, w2;
   c10::optional<at::Tensor> w1_scale, w2_scale, b1, b2;
+  c10::optional<DenseMLP> mlp, shared;  // the dense layer's MLP; the MoE block's shared experts
+  at::Tensor shared_gate;               // [1, H]: the shared experts' output scaled by sigmoid(x . gate), or undefined
 
-  LayerPlan(const Tensors& t, const Numbers& n, at::ScalarType dt, int64_t i, int64_t top_k) {
+  LayerPlan(const Tensors& t, const Numbers& n, const Names& names, at::ScalarType dt, int64_t i, int64_t top_k) {
     attention = attention_weights(
         dt, static_cast<int64_t>(number(n, "head_dim", i)), need(t, "input_norm", i), number(n, "eps", i),
         need(t, "q.weight", i), maybe(t, "q.scale"), maybe(t, "q.bias"), need(t, "k.weight", i), maybe(t, "k.scale"),
         maybe(t, "k.bias"), need(t, "v.weight", i), maybe(t, "v.scale"), maybe(t, "v.bias"), need(t, "o.weight", i),
         maybe(t, "o.scale"), maybe(t, "o.bias"), maybe(t, "q_norm"), maybe(t, "k_norm"), number(n, "qk_eps", i),
         number(n, "scaling", i), need(t, "post_norm", i), number(n, "post_eps", i));
+    moe = t.contains("router");
+    if (!moe) {
+      mlp = DenseMLP(t, n, names, "mlp", dt, i, attention.hidden);
+      return;
+    }
+    if (t.contains("shared.up.weight")) shared = DenseMLP(t, n, names, "shared", dt, i, attention.hidden);
+    if (t.contains("shared_gate")) {
+      shared_gate = need(t, "shared_gate", i);
+      TORCH_CHECK(shared.has_value() && shared_gate.dim() == 2 && shared_gate.size(0) == 1 &&
+                      shared_gate.size(1) == attention.hidden && shared_gate.scalar_type() == dt,
+                  "DecodePlan: layer ", i, "'s shared expert gate must be a [1, ", attention.hidden, "] ", dt,
+                  " weight of a layer with shared experts");
+    }
     router = need(t, "router", i).to(at::kFloat).contiguous();
     TORCH_CHECK(router.dim() == 2 && router.size(1) == attention.hidden && router.size(0) >= top_k,
                 "DecodePlan: layer ", i, "'s router weight must be [E, ", attention.hidden, "] with E >= top_k = ",
@@ -115,9 +198,10 @@ class DecodePlan : public torch::CustomClassHolder {
                 "size is ", embed_.size(1));
   }
 
-  void add_layer(Tensors tensors, Numbers numbers) {
+  void add_layer(Tensors tensors, Numbers numbers, Names names) {
     const int64_t i = static_cast<int64_t>(layers_.size());
-    layers_.emplace_back(tensors, numbers, dtype_, i, top_k_);
+    layers_.emplace_back(tensors, numbers, names, dtype_, i, top_k_);
+    if (layers_.back().moe) experts_ = std::max<int64_t>(experts_, layers_.back().router.size(0));
     TORCH_CHECK(layers_.back().attention.hidden == embed_.size(1), "DecodePlan: layer ", i, " works on hidden size ",
                 layers_.back().attention.hidden, ", the embedding gives ", embed_.size(1));
   }
@@ -151,7 +235,7 @@ class DecodePlan : public torch::CustomClassHolder {
       attention_block(layer.attention, hidden_, cos_rows_, sin_rows_, keys[i], values[i],
                       length.data_ptr<int64_t>()[0], mask, "auto", workspace_, attended_, normed_);
       length.data_ptr<int64_t>()[0] += 1;
-      const at::Tensor out = moe_block(layer, i);
+      const at::Tensor out = layer.moe ? moe_block(layer, i) : (*layer.mlp)(normed_);
       add(attended_, out, hidden_);  // the next layer's input
     }
     // The final norm as transformers' LlamaRMSNorm computes it, with ATen's kernels (the eager model's bits)
@@ -173,7 +257,7 @@ class DecodePlan : public torch::CustomClassHolder {
     sin_rows_ = at::empty({batch, d}, options);
     index_ = at::empty({batch, top_k_}, options.dtype(at::kLong));
     weights_ = at::empty({batch, top_k_}, options);
-    probs_.resize(layers_[0].router.size(0));
+    probs_.resize(experts_);
     top_.resize(top_k_);
     batch_ = batch;
   }
@@ -185,8 +269,8 @@ class DecodePlan : public torch::CustomClassHolder {
   at::Tensor moe_block(const LayerPlan& layer, int64_t i) {
     const at::Tensor softmax = at::softmax(at::linear(normed_.to(at::kFloat), layer.router), -1).contiguous();
     const int64_t rows = softmax.size(0), experts = softmax.size(1);
-    TORCH_CHECK(experts == static_cast<int64_t>(probs_.size()), "DecodePlan: layer ", i, " has ", experts,
-                " experts, layer 0 ", probs_.size());
+    TORCH_CHECK(experts <= static_cast<int64_t>(probs_.size()), "DecodePlan: layer ", i, " has ", experts,
+                " experts, more than the plan's ", probs_.size());
     int64_t* idx = index_.data_ptr<int64_t>();
     const bool bf16 = dtype_ == at::kBFloat16;
     for (int64_t b = 0; b < rows; ++b) {
@@ -207,8 +291,13 @@ class DecodePlan : public torch::CustomClassHolder {
         else weights_.data_ptr<float>()[b * top_k_ + j] = w;
       }
     }
-    return moe_experts_infer_cpu(normed_, index_, weights_, layer.w1, layer.w1_scale, layer.b1, layer.w2,
-                                 layer.w2_scale, layer.b2, activation_, glu_, "auto");
+    const at::Tensor out = moe_experts_infer_cpu(normed_, index_, weights_, layer.w1, layer.w1_scale, layer.b1,
+                                                 layer.w2, layer.w2_scale, layer.b2, activation_, glu_, "auto");
+    if (!layer.shared.has_value()) return out;
+    // The shared experts as the eager block adds them: out + sigmoid(gate(x)) * shared(x), ATen's kernels
+    at::Tensor shared = (*layer.shared)(normed_);
+    if (layer.shared_gate.defined()) shared = at::mul(at::sigmoid(at::linear(normed_, layer.shared_gate)), shared);
+    return at::add(out, shared);
   }
 
   // out = a + b in the activations' dtype (the eager residual add: fp32 sum, rounded once).
@@ -237,6 +326,7 @@ class DecodePlan : public torch::CustomClassHolder {
   bool glu_;
   at::ScalarType dtype_ = at::kFloat;
   std::vector<LayerPlan> layers_;
+  int64_t experts_ = 0;  // the most experts of any MoE layer
   std::mutex mutex_;
   // The workspace: made for the batch of the last step, reused while it stays.
   int64_t batch_ = -1;
