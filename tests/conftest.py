@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny models of every family the core conversion supports, built from configs (no hub)."""
+"""Shared fixtures: tiny models of every family the core conversion supports, built from configs (no hub); the tiny
+MoE checkpoint every test may read (`tiny_moe`, read-only); and the one-line counts that some modules print."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -126,3 +130,120 @@ def hub_cache(source: Path, cache: Path, repo: str = "org/moe", revision: str = 
     (root / "refs").mkdir(exist_ok=True)
     (root / "refs" / revision).write_text(commit)
     return snapshot
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The tiny MoE checkpoint, built once per session (per pytest-xdist worker) and shared read-only
+# --------------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TinyMoE:
+    """A tiny Llama upcycled to 4 experts in every layer, top-2 (exportable as Mixtral), with noise so that the
+    experts differ, saved with its tokenizer. `logits` [2, 12, VOCAB]: the model's logits of `random_ids()` before
+    saving."""
+
+    path: Path
+    logits: torch.Tensor
+
+
+def _fingerprint(directory: Path) -> dict[str, tuple]:
+    """{path relative to `directory`: (mode, size, mtime_ns)} of everything under it, links included."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        info = path.lstat()
+        found[str(path.relative_to(directory))] = (info.st_mode, info.st_size, info.st_mtime_ns)
+    return found
+
+
+def changes(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
+    """The paths whose fingerprint differs between `before` and `after` (added, removed or changed)."""
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+
+
+def _set_writable(directory: Path, writable: bool) -> None:
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            mode = 0o755 if path.is_dir() else 0o644
+            path.chmod(mode if writable else mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """The shared tiny MoE checkpoint (`TinyMoE`). Read-only: its files and directories have no write permission,
+    and a test that changes it anyway (as root, where permissions do not stop a write) fails. A test that edits a
+    checkpoint edits `copy_checkpoint(tiny_moe.path, tmp_path / ...)`."""
+    import hf_moe
+
+    directory = tmp_path_factory.mktemp("tiny_moe") / "moe"
+    model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.05).eval()
+    model.save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    with torch.no_grad():
+        logits = model(random_ids()).logits
+    _set_writable(directory, False)
+    yield TinyMoE(directory, logits)
+    _set_writable(directory, True)  # so that pytest can remove its old temporary directories
+
+
+@pytest.fixture(autouse=True)
+def _tiny_moe_untouched(request):
+    """Fails a test that changed the shared checkpoint (files, sizes, times or modes)."""
+    if "tiny_moe" not in request.fixturenames:
+        yield
+        return
+    directory = request.getfixturevalue("tiny_moe").path
+    before = _fingerprint(directory)
+    yield
+    changed = changes(before, _fingerprint(directory))
+    if changed:
+        pytest.fail(f"{request.node.nodeid} changed the shared read-only checkpoint tiny_moe ({', '.join(changed)}): "
+                    f"edit a copy, copy_checkpoint(tiny_moe.path, tmp_path / 'moe')", pytrace=False)
+
+
+def copy_checkpoint(source: Path, destination: Path) -> Path:
+    """A writable copy of the checkpoint directory `source` (its links copied as links). Returns `destination`."""
+    shutil.copytree(source, destination, symlinks=True, copy_function=shutil.copyfile)
+    _set_writable(destination, True)
+    return destination
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The one-line counts some modules print (the hostile files, the fault suite): shown in pytest's closing summary,
+# from pytest-xdist's workers too, without -s or -rA
+# --------------------------------------------------------------------------------------------------------------------
+_PENDING_LINES: list[str] = []
+_COUNT_LINES: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_line(request):
+    """A module's count line: the module's `count_line()` if it has one; every tests/test_hostile_*.py file gets
+    hostile_support's (its hostile inputs, accepted ones and reads outside, counted while the module ran)."""
+    count_line = getattr(request.module, "count_line", None)
+    name = request.path.name
+    if count_line is None and name.startswith("test_hostile"):
+        import hostile_support
+
+        count_line = hostile_support.counter(name)
+    yield
+    if count_line is not None:
+        _PENDING_LINES.append(count_line())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The module's line rides on the report of its last test's teardown (when module fixtures finish)."""
+    outcome = yield
+    if call.when == "teardown" and _PENDING_LINES:
+        outcome.get_result().user_properties.extend(("count line", line) for line in _PENDING_LINES)
+        _PENDING_LINES.clear()
+
+
+def pytest_runtest_logreport(report):
+    _COUNT_LINES.extend(value for key, value in report.user_properties if key == "count line")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _COUNT_LINES:
+        terminalreporter.section("counts")
+        for line in _COUNT_LINES:
+            terminalreporter.write_line(line)

@@ -14,7 +14,6 @@ The saver runs as `python tests/test_concurrency.py save OUT A B SECONDS`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -30,15 +29,11 @@ COUNTS = {"rounds": 0, "mixed": 0, "false corrupt": 0}
 SECONDS = 12.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts(request):
-    """Print the module's one-line count past pytest's output capture (CI logs show it without -s or -rA)."""
-    yield
-    line = (f"test_concurrency.py: {COUNTS['rounds']} concurrent load/save rounds, {COUNTS['mixed']} mixed, "
+def count_line() -> str:
+    """The module's one-line count, which tests/conftest.py shows in pytest's closing summary (CI logs show it,
+    from pytest-xdist's workers too, without -s or -rA)."""
+    return (f"test_concurrency.py: {COUNTS['rounds']} concurrent load/save rounds, {COUNTS['mixed']} mixed, "
             f"{COUNTS['false corrupt']} false corrupt")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        print(f"\n{line}", flush=True)
 
 
 def _models():

@@ -25,7 +25,6 @@ child per fault, so a fault costs the operation, not an interpreter start.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import json
@@ -43,16 +42,12 @@ COUNTS = {"kills": 0, "kills damaged": 0, "faults": 0, "faults damaged": 0, "lea
 WRITERS = ("save", "convert", "training_state", "export")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _report_counts(request):
-    """Print the module's one-line count past pytest's output capture (CI logs show it without -s or -rA)."""
-    yield
-    line = (f"test_faults.py: {COUNTS['kills']} kill points over {COUNTS['writers']} writers (every step), "
+def count_line() -> str:
+    """The module's one-line count, which tests/conftest.py shows in pytest's closing summary (CI logs show it,
+    from pytest-xdist's workers too, without -s or -rA)."""
+    return (f"test_faults.py: {COUNTS['kills']} kill points over {COUNTS['writers']} writers (every step), "
             f"{COUNTS['kills damaged']} damaged; {COUNTS['faults']} filesystem faults, {COUNTS['faults damaged']} "
             f"damaged; {COUNTS['leaked']} leaked")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-        print(f"\n{line}", flush=True)
 
 
 @pytest.mark.subprocess

@@ -28,11 +28,8 @@ def _run(code: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = tmp_path_factory.mktemp("integration") / "moe"
-    torch.manual_seed(0)
-    convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2).save_pretrained(path)
-    return path
+def saved(tiny_moe):
+    return tiny_moe.path
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -42,14 +42,10 @@ def calib(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """A tiny hf_moe checkpoint: a Llama upcycled to 4 experts top-2, with noise so that the experts differ."""
-    torch.manual_seed(0)
-    model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, noise=0.2)
-    path = tmp_path_factory.mktemp("moe") / "moe"
-    model.save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
+def moe_dir(tiny_moe):
+    """A tiny hf_moe checkpoint: a Llama upcycled to 4 experts top-2, with noise so that the experts differ (conftest's
+    tiny_moe, read-only)."""
+    return str(tiny_moe.path)
 
 
 def _native_dir(root, model_type: str) -> str:

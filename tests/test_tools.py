@@ -49,13 +49,9 @@ def _fresh(code: str, timeout: int = 300) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A converted tiny llama (4 experts, top-2) with its tokenizer, saved."""
-    path = tmp_path_factory.mktemp("tools") / "moe"
-    torch.manual_seed(0)
-    convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
+def saved(tiny_moe) -> Path:
+    """A converted tiny llama (4 experts, top-2) with its tokenizer, saved: conftest's tiny_moe (read-only)."""
+    return tiny_moe.path
 
 
 def _text_dataset():

@@ -6,8 +6,8 @@ Every read of a checkpoint's files goes through here: safetensors headers and ch
 config, generation config and training-state files (`read_json`), tokenizer files (`copy_files`), and the
 safetensors reads of the safetensors library itself (`safe_open_file`, `load_safetensors`: after the same checks).
 transformers reads config.json, generation_config.json and the weights again when it loads a model, after
-`validate_checkpoint` has checked each of them here. `tests/test_hostile.py` greps the package for reads that bypass
-this module.
+`validate_checkpoint` has checked each of them here. `tests/test_hostile_opener.py` greps the package for reads that
+bypass this module.
 
 Costs: one `stat` and one `fstat` per file opened; JSON is counted (three `bytes.count`) and its nesting measured
 (a few passes over its brackets) before it is parsed.
