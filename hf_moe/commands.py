@@ -17,6 +17,7 @@ _ADAPTER_METHODS = ("lora", "pesc")  # (hf_moe/layers/adapter_experts.py; named 
 
 def _convert(args) -> None:
     from .checkpoint import same_directory, save_checkpoint
+    from .checkpoint.commit import nested_directories
     from .convert.api import convert_to_moe
     from .convert.estimate import check_disk
     from .convert.stream import StreamingUnsupported, convert_checkpoint
@@ -28,6 +29,11 @@ def _convert(args) -> None:
     if same_directory(args.src, args.out):
         raise ValueError(
             f"OUT {args.out} is SRC {args.src}: converting would replace the dense model. Choose another OUT."
+        )
+    if args.method in _ADAPTER_METHODS and os.path.isdir(args.src) and nested_directories(args.src, args.out):
+        raise ValueError(
+            f"OUT {args.out} lies inside SRC {args.src} or holds it: adapter experts refer to SRC, their base, for "
+            "every other weight, and nothing is written into the directory a checkpoint depends on. Choose another OUT."
         )
     tokenizer = _tokenizer_writer(args.src)  # into OUT's staging directory: OUT appears with it, atomically
     model = None
@@ -87,14 +93,15 @@ def _report_adapters(args, model, seconds: float) -> None:
 
 def _materialize(args) -> None:
     """`hf-moe materialize SRC OUT`: adapter experts -> plain experts (hf_moe/convert/materialize.py)."""
-    from .checkpoint import same_directory, save_checkpoint
-    from .convert.materialize import materialize
+    from .checkpoint import save_checkpoint
+    from .convert.estimate import check_disk
+    from .convert.materialize import check_output_directory, materialize
 
     start = time.perf_counter()
-    if same_directory(args.src, args.out):
-        raise ValueError(f"OUT {args.out} is SRC {args.src}: choose another OUT (SRC is the adapter checkpoint).")
+    check_output_directory(args.src, args.out, args.base)  # (not SRC, not its base: nothing written there)
     model = materialize(args.src, base=args.base)
     tokenizer = _tokenizer_writer(args.src) if _has_tokenizer(args.src) else None
+    check_disk(args.out, sum(p.numel() * p.element_size() for p in model.parameters()))  # before writing
     save_checkpoint(model, args.out, max_shard_size=args.max_shard_size, extra=tokenizer)
     counts = model.parameter_counts()
     print(

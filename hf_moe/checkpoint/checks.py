@@ -124,6 +124,8 @@ def check_base_values(directory: Path, config: dict) -> None:
             name = f"{prefix}{key}"
             if not prefix and key in _SKIPPED:
                 continue
+            if key == "dtype" and value is not None and not isinstance(value, str):  # (transformers splits its name)
+                raise bad(name, value, "a dtype is named by a string, such as 'float32'")
             if isinstance(value, dict):
                 walk(value, f"{name}.")
             elif isinstance(value, list):

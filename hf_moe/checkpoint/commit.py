@@ -51,6 +51,13 @@ def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def nested_directories(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths name one directory or one lies inside the other (after resolving links and `..`): a save
+    into either would replace, or write into, the other."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return os.path.commonpath([a, b]) in (a, b)
+
+
 @contextlib.contextmanager
 def staging_directory(target: Path):
     """A fresh staging directory beside `target`, locked while the block runs; discarded if the block raises.

@@ -19,7 +19,7 @@ from ..layers.adapter_experts import trained_state_dict
 from ..layers.quantized import QuantizedExperts
 from ..model_card import render_model_card
 from .checksums import checksum_files, config_checksums
-from .commit import commit, discard, new_staging, resolve_output_directory, staging_directory
+from .commit import commit, discard, nested_directories, new_staging, resolve_output_directory, staging_directory
 from .format import (
     AUTO_MAP, AUTO_MAP_MODULE, AUTO_MAP_SHIM, CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX,
     INDEX_NAME,
@@ -64,6 +64,7 @@ def save_checkpoint(
     if not sharded and not is_main_process:
         return
     target = resolve_output_directory(save_directory, "Cannot save the model to")
+    _check_not_over_base(model, target)
     check_not_reading(target)  # (before writing anything: the commit could never swap it in)
     max_bytes = convert_file_size_to_int(max_shard_size)
     if sharded:
@@ -73,6 +74,20 @@ def save_checkpoint(
     shards = plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
     with staging_directory(target) as staging:
         finish(model, staging, target, [_write_shards(shards, staging)], extra)
+
+
+def _check_not_over_base(model, target: Path) -> None:
+    """An adapter model is never saved into the base directory its checkpoint refers to, inside it, or into one that
+    holds it: the commit would replace (or write among) the weights the checkpoint needs."""
+    spec = getattr(model.config, "adapter_experts", None)
+    base = spec.get("base_model") if isinstance(spec, dict) else None
+    path = base.get("name_or_path") if isinstance(base, dict) else None
+    if isinstance(path, str) and os.path.isdir(path) and nested_directories(target, path):
+        raise ValueError(
+            f"Cannot save the adapter model to {target}: it is, holds or lies inside its base model {path}, whose "
+            "weights the checkpoint refers to; saving there would replace them or write among them. Nothing was "
+            "written: choose another directory."
+        )
 
 
 def _check_int8_scales(model) -> None:

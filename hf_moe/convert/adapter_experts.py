@@ -5,14 +5,17 @@ The layer is `hf_moe.layers.adapter_experts.AdapterExperts`. A checkpoint holds 
 adapters, and any parameter the user unfroze: `trained_state_dict`); everything else is the base model's. Its config
 records the base (`adapter_experts["base_model"]`): where it was (a local directory, made absolute, or a Hub id) and a
 fingerprint of the frozen tensors as the conversion held them (xxh3-128 over each tensor's name, dtype, shape and
-bytes, in name order), so a base that is missing, moved, or not the same weights is an error that says which, never a
-model that silently computes something else. The fingerprint is of the weights, not of the files: the same weights
-saved in another layout or shard size still match; the same model at another revision or dtype does not.
+bytes, in name order); the base's config is the checkpoint's own less the MoE fields. So a base that is missing, moved,
+not the same weights or not the same config (`adapter_base.py`: every field that changes what it computes) is an
+error that says which, never a model that silently computes something else. The fingerprint is of the weights, not of
+the files: the same weights saved in another layout or shard size still match; the same model at another revision or
+dtype does not.
 
 Loading (`MoEForCausalLM.from_pretrained(dir)`, `AutoModelForCausalLM.from_pretrained(dir)`): the checkpoint is
 checked (`validate_checkpoint`: index, checksums, every adapter and router tensor present with its shape), the base
-is loaded (`base=` overrides the recorded one: a path, a Hub id, or the dense model itself), its MLPs become adapter
-blocks (zero adapters), the fingerprint is compared, and the saved tensors are loaded over them.
+is loaded (`base=` overrides the recorded one: a path, a Hub id, or the dense model itself, which is copied, not
+changed), its config compared before its weights are read, its MLPs become adapter blocks (zero adapters), the
+fingerprint is compared, and the saved tensors are loaded over them.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from ..checkpoint.guard import load_safetensors
 from ..compat import attn_implementation
 from ..layers import SparseMoeBlock, build_router
 from ..layers.adapter_experts import (
-    ADAPTER_METHODS, LORA_TARGETS, AdapterExperts, adapter_blocks, always_saved, check_adapter_spec, current_key,
-    fingerprint_key,
+    ADAPTER_METHODS, LORA_TARGETS, AdapterExperts, adapter_blocks, adapter_shapes, always_saved, check_adapter_spec,
+    current_key, fingerprint_key,
 )
+from .adapter_base import base_name, load_base
 from .adapters import DenseMLP, extract_mlp, find_decoder_layers, find_mlp
+from .estimate import ConversionSize, format_bytes
 
 # convert_to_moe options of the adapter methods, with their defaults (PEFT's names).
 ADAPTER_OPTIONS: dict[str, Any] = {
@@ -70,6 +75,20 @@ def adapter_spec(method: str, opts: dict, glu: bool) -> dict:
     else:
         spec["adapter_act"] = opts["adapter_act"]
     return spec
+
+
+def adapter_size(spec: dict, mlp: DenseMLP, num_experts: int, num_layers: int) -> tuple[ConversionSize, str]:
+    """(What the adapter experts of `spec` on MLPs like `mlp` add to the dense model, a hint naming the rank): for
+    `estimate.check_memory`, before any adapter exists. Adapters are fp32 on a 16-bit MLP (`adapter_block`)."""
+    itemsize = mlp.up.element_size()
+    adapter_itemsize = 4 if mlp.up.dtype in (torch.float16, torch.bfloat16) else itemsize
+    shapes = adapter_shapes(spec, mlp.hidden_size, mlp.intermediate_size)
+    expert = sum(rows * cols for rows, cols in shapes.values()) * adapter_itemsize
+    router = num_experts * mlp.hidden_size * itemsize
+    added = num_layers * (num_experts * expert + router)
+    hint = (f"The adapters of rank {spec['r']} take {format_bytes(expert)} per expert and layer: choose a smaller rank "
+            "(rank=, `--rank`).")
+    return ConversionSize(added, added, num_experts + 1, num_experts, num_layers, expert), hint
 
 
 def check_adapter_options(method: str, options: dict, opts: dict) -> None:
@@ -205,8 +224,7 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
     for name in [k for k in kwargs if k.startswith("_")]:  # the Auto classes' bookkeeping (`_from_auto`, ...)
         kwargs.pop(name)
-    dense = _load_base(cls, config, directory, base, kwargs)
-    _check_architecture(dense, config, directory, base)
+    dense = load_base(cls, config, directory, base, kwargs)  # (its config checked first; a model passed is copied)
     model = build_on_dense(cls, dense, config)
     _check_fingerprint(model, config, directory, base)
     if dtype not in (None, "auto"):
@@ -243,69 +261,6 @@ def build_on_dense(cls, dense: nn.Module, config) -> nn.Module:
     return model
 
 
-def _load_base(cls, config, directory: str, base, kwargs: dict) -> nn.Module:
-    """The dense base model: `base` (a model, path or Hub id) or the one the checkpoint records."""
-    ref = config.adapter_experts.get("base_model") or {}
-    if isinstance(base, nn.Module):
-        return base
-    source = base if base is not None else ref.get("name_or_path")
-    if source is None:
-        raise CheckpointError(
-            f"{directory} holds adapter experts on a base model that was converted from memory, so it records no path "
-            "to it. Pass the base: from_pretrained(dir, base=PATH_OR_MODEL) (its weights are checked against the "
-            "fingerprint recorded at conversion)."
-        )
-    source = os.fspath(source)
-    if not os.path.isdir(source) and (os.path.exists(source) or not _HUB_ID.fullmatch(source)):
-        raise CheckpointError(
-            f"{directory} holds adapter experts on the base model {source}, which is not there (was it moved?). Pass "
-            "its new place: from_pretrained(dir, base=PATH) (or `--base PATH`); its weights are checked against the "
-            "fingerprint recorded at conversion."
-        )
-    base_config_class = type(config).base_config_class
-    head = cls.base_model_class
-    if head is None:
-        head = cls.head_mapping[base_config_class]
-        head = head[0] if isinstance(head, (list, tuple)) else head
-    base_dtype = ref.get("dtype")
-    dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) and hasattr(torch, base_dtype) else "auto"
-    try:
-        return head.from_pretrained(source, dtype=dtype, **kwargs)
-    except OSError as err:
-        raise CheckpointError(
-            f"{directory} holds adapter experts on the base model {source}, which could not be loaded ({err}). Pass "
-            "the base: from_pretrained(dir, base=PATH_OR_MODEL)."
-        ) from None
-
-
-_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "head_dim", "vocab_size")
-
-
-def _check_architecture(dense: nn.Module, config, directory: str, base) -> None:
-    """The base is of the family and sizes the checkpoint was converted from (before its MLPs are read)."""
-    ours, theirs = config.to_base_config().get_text_config(), dense.config.get_text_config()
-    differences = [f"model_type {theirs.model_type!r}, not {ours.model_type!r}"] if type(ours) is not type(theirs) else []
-    differences += [
-        f"{name}={getattr(theirs, name)}, not {getattr(ours, name)}" for name in _SIZES
-        if getattr(ours, name, None) != getattr(theirs, name, None)
-    ]
-    if differences:
-        raise CheckpointError(
-            f"{directory} holds adapter experts trained on another model than the base {_base_name(config, base)}: "
-            f"its tensors differ in names, dtypes or shapes ({'; '.join(differences[:4])}). Pass the base they were "
-            "converted from: from_pretrained(dir, base=PATH_OR_MODEL)."
-        )
-
-
-def _base_name(config, base) -> str:
-    if isinstance(base, (str, os.PathLike)):
-        return os.fspath(base)
-    if base is not None:
-        return "(the model passed as base)"
-    return str((config.adapter_experts.get("base_model") or {}).get("name_or_path"))
-
-
 def _check_fingerprint(model: nn.Module, config, directory: str, base) -> None:
     ref = config.adapter_experts.get("base_model") or {}
     if not ref.get("fingerprint"):
@@ -313,7 +268,7 @@ def _check_fingerprint(model: nn.Module, config, directory: str, base) -> None:
     found = base_fingerprint(model)
     if found["fingerprint"] == ref["fingerprint"]:
         return
-    source = _base_name(config, base)
+    source = base_name(config, base)
     if found["structure"] == ref["structure"]:
         why = ("its tensors have the names, dtypes and shapes recorded, but other values: another revision or "
                "fine-tune of the same model")

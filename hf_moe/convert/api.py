@@ -23,8 +23,8 @@ from ..model_card import hub_model_id
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from ..ops import use_backend
 from .adapter_experts import (
-    ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_spec, base_reference, check_adapter_options,
-    freeze_base,
+    ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_size, adapter_spec, base_reference,
+    check_adapter_options, freeze_base,
 )
 from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .estimate import check_memory, estimate_conversion
@@ -148,12 +148,15 @@ def convert_to_moe(
     _check_uniform(mlps)
     first = mlps[moe_layers[0]]
     itemsize = first.up.element_size()
-    check_memory(estimate_conversion(  # before anything grows with the number of experts (estimate.py)
-        sum(p.numel() for p in model.parameters()) * itemsize, first,
-        _expert_sizes(method, first, num_experts, opts["num_shared_experts"]), num_experts, len(moe_layers),
-        opts["num_shared_experts"], itemsize, 1 << 62,
-    ), "`hf_moe.convert_checkpoint(src, out, ...)` (or `hf-moe convert` without --in-memory) streams the "
-       "conversion from a directory of safetensors, one MLP at a time.")
+    if method in ADAPTER_METHODS:  # before an adapter exists: the rank sets their size (adapter_experts.py)
+        check_memory(*adapter_size(adapter_spec(method, opts, first.glu), first, num_experts, len(moe_layers)))
+    else:
+        check_memory(estimate_conversion(  # before anything grows with the number of experts (estimate.py)
+            sum(p.numel() for p in model.parameters()) * itemsize, first,
+            _expert_sizes(method, first, num_experts, opts["num_shared_experts"]), num_experts, len(moe_layers),
+            opts["num_shared_experts"], itemsize, 1 << 62,
+        ), "`hf_moe.convert_checkpoint(src, out, ...)` (or `hf-moe convert` without --in-memory) streams the "
+           "conversion from a directory of safetensors, one MLP at a time.")
     activations = None
     if method == "split" and opts["partition"] == "coactivation":
         tokenizer = _tokenizer(opts["tokenizer"], model_or_path)
@@ -293,12 +296,13 @@ def _check_counts(num_experts, top_k) -> None:
 
 
 def _check_method_options(method: str, given: dict, opts: dict) -> None:
-    """Options of the other method are an error, not silently ignored."""
+    """Options of another method are an error, whatever their value, not silently ignored."""
     for other, names in METHOD_OPTIONS.items():
         own = METHOD_OPTIONS.get(method, ())
-        misplaced = [n for n in names if other != method and n not in own and n in given and given[n] != OPTIONS[n]]
+        misplaced = [n for n in names if other != method and n not in own and n in given]  # (a default value too)
         if misplaced:
-            raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}.")
+            raise ValueError(f"{misplaced} only apply to method={other!r}; this conversion uses method={method!r}: "
+                             "drop them, or choose that method.")
     for name, high, expected in (("reinit_fraction", 1.0, "between 0 and 1"), ("noise", math.inf, ">= 0 and finite")):
         value = opts[name]
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -14,9 +14,14 @@ import os
 import torch
 from torch import nn
 
+from ..checkpoint import checkpoint_config
+from ..checkpoint.commit import nested_directories
 from ..layers import Experts
 from ..layers.adapter_experts import AdapterExperts, adapter_blocks
 from ..modeling import MoEForCausalLM, MoEPreTrainedModel
+from .adapter_base import local_base
+from .adapter_experts import is_adapter_checkpoint
+from .estimate import SKIP_VARIABLE, available_memory, format_bytes
 
 PESC_WHY = (
     "PESC experts are the frozen MLP's output plus a bottleneck adapter with an activation inside, "
@@ -53,6 +58,7 @@ def materialize(model_or_path: MoEPreTrainedModel | str | os.PathLike, *, base=N
         raise ValueError(f"Cannot materialize {spec['method']!r} adapter experts. {PESC_WHY}")
     plain = copy.copy(config)  # Experts reads only the shape fields, which materializing leaves as they are
     plain.adapter_experts = None
+    _check_memory(adapter_blocks(model))
     for path, experts in adapter_blocks(model).items():
         model.get_submodule(path).experts = plain_experts(experts, plain)
     config.adapter_experts = None
@@ -63,6 +69,44 @@ def materialize(model_or_path: MoEPreTrainedModel | str | os.PathLike, *, base=N
     for param in model.parameters():
         param.requires_grad_(True)
     return model
+
+
+def check_output_directory(src: str | os.PathLike, out: str | os.PathLike, base=None) -> None:
+    """Refuse (ValueError) an OUT for `hf-moe materialize SRC OUT` that is SRC or the base model SRC loads onto (`base`
+    or the recorded one), lies inside either, or holds either: a save there would replace or write among files that
+    a checkpoint needs. Called before anything is loaded."""
+    src, out = os.fspath(src), os.fspath(out)
+    needed = [("SRC", src)]
+    if is_adapter_checkpoint(src):
+        path = local_base(src, checkpoint_config(src), base)
+        if path is not None:
+            needed.append(("the base model", path))
+    for what, path in needed:
+        if nested_directories(out, path):
+            raise ValueError(
+                f"OUT {out} is, lies inside or holds {what} {path}, which the adapter checkpoint needs: materializing "
+                "there would replace it or write into it. Nothing was written: choose another OUT."
+            )
+
+
+def _check_memory(blocks: dict[str, AdapterExperts]) -> None:
+    """Refuse (ValueError, with the sizes) plain experts that would not fit in the memory available: E whole MLPs per
+    layer, in the model's dtype, and one role's fp32 [E, out, in] while it is formed."""
+    if not blocks or os.environ.get(SKIP_VARIABLE, "").strip().lower() in ("1", "true", "yes"):
+        return
+    first = next(iter(blocks.values()))
+    mlp = first.dense_mlp
+    itemsize, per_expert = mlp.up_proj.element_size(), sum(p.numel() for p in mlp.parameters())
+    expert = per_expert * itemsize
+    added = len(blocks) * first.num_experts * expert + first.num_experts * mlp.up_proj.numel() * 4
+    available = available_memory()
+    if available is not None and added > available:
+        raise ValueError(
+            f"Materializing would hold about {format_bytes(added)} more than the adapter model ({first.num_experts} "
+            f"plain experts x {len(blocks)} MoE layer(s), {format_bytes(expert)} each), but {format_bytes(available)} "
+            f"of memory is available. Materialize on a machine with more memory; or, if you know it fits, set "
+            f"{SKIP_VARIABLE}=1."
+        )
 
 
 @torch.no_grad()
