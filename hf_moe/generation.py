@@ -1,4 +1,9 @@
-"""The fast decode path: a static KV cache, and the decode step compiled once with `torch.compile`, on CPU too.
+"""The fast decode path: a static KV cache, and a decode step that is one op call (nothing compiled) or compiled once
+with `torch.compile`, on CPU too.
+
+`generate`'s plain call (no cache or compile arguments) gets hf_moe's one-op step where it serves the model
+(`prepare_generate_kwargs`, `hf_moe.decode.choose_decode`): a static cache and `decode_compile_config(compile=False)`.
+Elsewhere it stays eager, and a static cache is the switch to a compiled step:
 
 transformers' `generate` compiles its decode step by itself when the KV cache is static
 (`cache_implementation="static"`), but only on accelerators: on CPU it runs the static cache eagerly (slower than the
@@ -50,7 +55,7 @@ class DecodeCompileConfig(CompileConfig):
     where its architecture allows, compiled with the same settings, and `skip_guards`: the fused step checks
     Dynamo's guards on the first step of each `generate` call only. Dynamo's stance is process-wide, so a server
     that runs compiled code from several threads at once sets `skip_guards=False`; and `native`: where the model
-    allows it, the fused step is one call of `hf_moe::decode_step` and nothing is compiled (hf_moe.decode_native;
+    allows it, the fused step is one call of the model's plan and nothing is compiled (hf_moe.decode_native;
     `native=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
     transparent huge pages (hf_moe.huge_pages); and `compile`: False compiles nothing (the one-op step where it
     serves the model, its forward elsewhere: what `generate`'s plain call gets). transformers' own models ignore all
