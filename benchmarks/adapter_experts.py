@@ -1,4 +1,4 @@
-"""Adapter experts (issue 30) against the alternatives, fine-tuning SmolLM2-135M-Instruct on real text.
+"""Adapter experts against the alternatives, fine-tuning SmolLM2-135M-Instruct on real text.
 
     flock /tmp/hf_moe_heavy.lock python benchmarks/adapter_experts.py            # the run in benchmarks/results/
     python benchmarks/adapter_experts.py --smoke                                 # a few steps: that it runs

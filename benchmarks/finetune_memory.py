@@ -5,7 +5,7 @@
 
 Runs examples/finetune_trainer.py as examples/smollm2_moe.py does (batch 2, blocks of 64 tokens,
 examples/data/moe_chat.jsonl, seed 0), once per optimizer:dtype[:learning rate] configuration (lr 5e-5, the
-quickstart's before issue 29, unless given) and repeat, each in a fresh process,
+quickstart's former rate, unless given) and repeat, each in a fresh process,
 the configurations interleaved. Prints, per configuration: the process's peak resident memory (`ru_maxrss` from
 `wait4`, the page cache of the memory-mapped checkpoint included, as `top` shows it), the wall time (median and
 range over the repeats), and the loss at each logged step, side by side with the first configuration's.

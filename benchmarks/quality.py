@@ -195,7 +195,7 @@ SMOKE = Sizes(layers=2, hidden=32, heads=2, experts=8, expert_intermediate=16, c
 VOCAB = 256  # bytes
 
 # The balancing-loss weight of the published runs: 0.01 on the per-slot scale they ran with, which is 0.005 on
-# transformers' scale (k = 2 times larger) that hf_moe's loss has had since (issue 29).
+# transformers' scale (k = 2 times larger) that hf_moe's loss has had since.
 BALANCE = {"router_aux_loss_coef": 0.005}
 # name -> (top-k, expert size in units of I, MoEConfig fields). The router settings are convert_to_moe's defaults
 # for each router (hf_moe/convert/api.py ROUTER_DEFAULTS), except switch's norm_topk_prob (docs/converting.md).

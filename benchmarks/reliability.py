@@ -1,4 +1,4 @@
-"""What the reliability guarantees of issues 20 and 28 cost: the offloaded path's verification, the readers' lock, the
+"""What the reliability guarantees (docs/checkpoints.md) cost: the offloaded path's verification, the readers' lock, the
 guarded opener's checks, loading by Hub id, the conversion size check, and verify's scan for non-finite values.
 
     python benchmarks/reliability.py [--size-gb 0.5] [--repeats 5] [--work DIR] [--only SECTION ...]

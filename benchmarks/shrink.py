@@ -247,8 +247,9 @@ def spread(values: list[float]) -> str:
 
 
 def verdict(runs: Runs, name: str, base: float, keeps: list[int], seeds: list[int]) -> str:
-    """The issue's goals, read off the runs: reconstruction (and the search by loss) below frequency and below every
-    random seed at each size measured; the best method's loss at half the experts against the full model's (goal: within 2%)."""
+    """The goals of shrinking (docs/shrinking.md), read off the runs: reconstruction (and the search by loss) below
+    frequency and below every random seed at each size measured; the best method's loss at half the experts against
+    the full model's (goal: within 2%)."""
     def loss(method, keep, seed=0):
         record = runs.get(f"{name}/{method}/keep{keep}/seed{seed}")
         return record["loss"]["mean"] if record else None

@@ -1,4 +1,4 @@
-"""Adapter experts (issue 30): experts that share the frozen dense MLP and differ by small trainable adapters.
+"""Adapter experts: experts that share the frozen dense MLP and differ by small trainable adapters.
 
 `convert_to_moe(..., method="lora")` (MixLoRA: expert e = W + s B_e A_e) and `method="pesc"` (PESC: the frozen MLP's
 output plus a per-expert bottleneck adapter). Exact at initialisation on every family; the computation equals its

@@ -1,5 +1,5 @@
 """A load that overlaps a save into the same directory sees the old or the new checkpoint, whole, or a clear "being
-written, retry" error: never a mix, never a false "corrupt" (issue 20).
+written, retry" error: never a mix, never a false "corrupt".
 
 A saver process writes model A, then B, then A ... into OUT for a bounded time; this process meanwhile loads OUT
 in a loop, in turn with `from_pretrained`, offloaded (`offload_experts="disk"`, with a forward pass, so the experts
@@ -162,7 +162,7 @@ def test_a_save_waits_for_a_load_then_the_load_is_told(tmp_path):
 def test_a_reader_process_with_several_threads_does_not_starve_a_save(tmp_path, monkeypatch):
     """A reader process whose threads overlap their reads (each passed the turnstile unchecked while another held a
     read: a nested read, as the process saw it) kept a save waiting the full HF_MOE_COMMIT_WAIT (600 s), then its
-    loads got CheckpointBusyError; two reader processes let it through in 0.3 s. A nested read is now one of the same
+    loads got CheckpointBusyError; two reader processes let it through at once. A nested read is now one of the same
     thread: other threads queue behind the writer like other processes."""
     import warnings
 

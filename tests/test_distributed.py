@@ -247,7 +247,7 @@ def test_accelerate_launch_example_with_expert_parallelism(tmp_path):
     from hf_moe import convert_to_moe
 
     # The balancing loss is computed on each process's batch (2 + 2 rows against 4), as under DDP, FastMoE and
-    # DeepSpeed-MoE; at the weight it had before it weighed top-k times more (issue 29 item 3: 0.01 then, 0.005 now)
+    # DeepSpeed-MoE; at the weight it had before it weighed top-k times more (0.01 then, 0.005 now)
     # it stays within these bounds, at 0.01 the first losses differed by 1.3e-5 (relative) and step 8 by 1.3e-3.
     convert_to_moe(tiny_dense(), num_experts=4, top_k=2, noise=0.05, router_aux_loss_coef=0.005).save_pretrained(
         tmp_path / "moe")

@@ -189,7 +189,7 @@ def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# One build per user and machine (issue 29): where it lives, and a finished build reused as it is
+# One build per user and machine: where it lives, and a finished build reused as it is
 # --------------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def finished_build(tmp_path) -> Path:
@@ -221,8 +221,8 @@ _LOAD = "from hf_moe.ops import load_extension; print(load_extension()[1].how)"
 
 @pytest.mark.subprocess
 def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finished_build):
-    """A service user whose $HOME is not writable rebuilt the extension in every process (about 4 minutes each on 2
-    cores). The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
+    """A service user whose $HOME is not writable rebuilt the extension in every process (minutes each).
+    The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
     finished build put there, which two processes load without compiling (no compiler, no ninja)."""
     import shutil
 

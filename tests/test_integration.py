@@ -1,4 +1,4 @@
-"""Integration the transformers way (issue 9): no global patches, router outputs on the backbone, config kwargs as
+"""Integration the transformers way: no global patches, router outputs on the backbone, config kwargs as
 in transformers, loading by path without `import hf_moe`, a compiled training step without graph breaks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tool matrix (issue 9): the tools users bring, each run for real and unpatched on a tiny converted model.
+"""The tool matrix: the tools users bring, each run for real and unpatched on a tiny converted model.
 
 TRL's SFTTrainer, PEFT LoRA (attention and the fused expert parameters) with save, reload and merge,
 AutoPeftModelForCausalLM, DeepSpeed ZeRO-3 against ZeRO-2, lm-eval's HFLM and `pipeline("text-generation")`. The tools

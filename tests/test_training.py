@@ -56,7 +56,7 @@ def test_trainer_resume_from_checkpoint_continues_exactly(tmp_path):
     checkpoint = tmp_path / "run" / "checkpoint-4"
     assert (checkpoint / "model-expert-00003.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
     umask = os.umask(0o022)
-    os.umask(umask)  # (safetensors 0.8 writes 0600: other users could not read a Trainer checkpoint, issue 28)
+    os.umask(umask)  # (safetensors 0.8 writes 0600: other users could not read a Trainer checkpoint)
     assert {p.stat().st_mode & 0o777 for p in checkpoint.glob("*.safetensors")} == {0o666 & ~umask}
 
     # A different starting model: every weight must come from the checkpoint for the runs to agree.

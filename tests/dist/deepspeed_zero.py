@@ -6,7 +6,7 @@ writes the losses to OUT (JSON).
 Plain `deepspeed.initialize` on gloo (DeepSpeed's CPU accelerator uses gloo without oneCCL), fp32, torch's AdamW, no
 gradient clipping. Both stages see the same model, batches and seeds, so their losses must agree (to fp32 rounding:
 see tests/test_tools.py). ZeRO-3 used to fail on the first backward, because its hooks did not look inside the
-router's dataclass output (issue 9). Prints "SKIP <reason>" and exits 0 when deepspeed cannot be imported. Launched
+router's dataclass output. Prints "SKIP <reason>" and exits 0 when deepspeed cannot be imported. Launched
 by tests/test_tools.py.
 """
 
