@@ -12,8 +12,8 @@ when it is int8 or a decode-sized product). The step is compiled with `torch.com
 
 Where every layer is one its kernels compute with nothing around them (an hf_moe MoE block with the plain top-k
 router: `hf_moe.decode_native.native_reason`), the step is not compiled at all: it is one call of the model's plan
-(`hf_moe.decode_native.DecodePlan`), which runs the same kernels layer by layer in C++ (1.1x the compiled step's
-speed on the quickstart's model, and no compilation on the first call).
+(`hf_moe.decode_native.DecodePlan`), which runs the same kernels layer by layer in C++ (faster than the compiled
+step on the quickstart's model, docs/serving-cpu.md, and no compilation on the first call).
 
 Which engine decodes a model is decided in one place, `choose_decode`, which gives its reason too:
 
@@ -203,8 +203,8 @@ class FusedDecodeStep:
     With `config.skip_guards`, Dynamo's guards (a check of every module attribute and weight the step reads, a few
     thousand of them) are evaluated on the first step of each `generate` call, which may recompile; the later steps
     of the call, on the same cache and shapes, skip them (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`
-    around the call alone, in the caller's stance). They cost 1.9 ms of a 20 ms step of the quickstart's model
-    (docs/serving-cpu.md). Nothing that the guards check changes between two steps of one call;
+    around the call alone, in the caller's stance). They cost a noticeable share of a step of the quickstart's
+    model (measured in docs/serving-cpu.md). Nothing that the guards check changes between two steps of one call;
     `MoEForCausalLM.generate` calls `reset` first, so a model changed between calls (quantized, its modules
     replaced) is checked, and compiled for again."""
 
@@ -232,8 +232,8 @@ class FusedDecodeStep:
 
     def _engine(self, batch: int) -> tuple[DecodeChoice, DecodePlan | None]:
         """The engine of a decode step of `batch` rows: decided at the first step of each generate call, where the
-        weights are also asked onto huge pages (hf_moe.huge_pages: the step streams them; the first time about a
-        second per GiB, milliseconds after)."""
+        weights are also asked onto huge pages (hf_moe.huge_pages: the step streams them; the first time the kernel
+        copies them into huge pages, later calls find that done)."""
         decided = self.decided.get(batch)
         if decided is None:
             choice = choose_decode(self.model, batch, self.config)

@@ -4,10 +4,10 @@ every layer's kernels in C++ with nothing compiled.
 
 `hf_moe.decode.FusedDecodeStep` compiles its step with inductor's C++ wrapper: the program still runs, per layer, a
 dozen small kernels, allocations and dispatcher calls between the attention sub-block and the experts (the router's
-cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo. On the quickstart's
-model that was a sixth of a 22 ms step, on the main thread alone, while the other thread waited (perf, docs/serving-
-cpu.md). The plan's step calls one op instead, which runs the same kernels layer by layer in C++, and needs no
-compilation (the compiled step's first call took 80 to 100 s with inductor's cache cold).
+cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo. That overhead
+runs on the main thread alone while the other threads wait (perf profile and share of the step: docs/serving-cpu.md,
+"The whole decode step as one op"). The plan's step calls one op instead, which runs the same kernels layer by layer
+in C++, and needs no compilation (the compiled step's first call is long, longest with inductor's cache cold).
 
 Which models it serves (`native_reason`, asked by `hf_moe.decode.choose_decode` after the fused step's own checks):
 

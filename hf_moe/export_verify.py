@@ -118,10 +118,10 @@ def logit_tolerance(max_abs_logit: float, width: int) -> float:
     The two compute the same function in other orders (docs/exporting.md, "How close"): the experts' matrix products
     are blocked differently, a token's k expert outputs are added in another order, and the routers round their
     logits differently. A dot product of length K summed in another order differs by about 2**-24 * sqrt(K) of its
-    size, and the logits inherit that relative difference: measured, 0.4x the formula without its factor 8 on the
-    tiny test models (K = 96, logits below 1) and 0.9x on SmolLM2-135M (K = 1536: 7.6e-5 on logits up to 35), where
-    the dense model itself differs by as much between two attention implementations. The factor 8 leaves that
-    margin over the measurements; a wrong weight (two experts swapped) differs by 20x the bound on the tiny models.
+    size, and the logits inherit that relative difference: the formula without its factor 8 is about what was measured
+    on the tiny test models and on SmolLM2-135M, where the dense model itself differs by as much between two
+    attention implementations. The factor 8 leaves a margin over those measurements, and a wrong weight (two experts
+    swapped) still lands far outside the bound (the numbers: docs/exporting.md, "How close").
     """
     return TOLERANCE_FACTOR * FP32_UNIT_ROUNDOFF * math.sqrt(width) * max(1.0, max_abs_logit)
 

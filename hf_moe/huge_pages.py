@@ -2,17 +2,15 @@
 
 A decode step reads every weight it uses once, from memory: the quickstart's model streams 409 MiB per token, so the
 step runs at the speed memory is read. Read through 4 KiB pages, every 4 KiB of weights costs a TLB entry; through
-2 MiB pages, 512 times fewer. On the 2-core machine of docs/serving-cpu.md, two threads read a 512 MiB buffer at
-25 to 28 GB/s on 4 KiB pages and 29 to 37 GB/s on huge pages, and the one-op decode step (hf_moe.decode_native) of the
-bf16 quickstart model ran 1.077x [1.028-1.125] as fast with its weights on huge pages (per-step ratio, the two
-copies of the model interleaved step by step in one process).
+2 MiB pages, 512 times fewer, so memory is read faster and the one-op decode step (hf_moe.decode_native) that
+streams the weights runs faster with them on huge pages (docs/serving-cpu.md, "Huge pages", has the measurements).
 
 Where transparent huge pages are left to `madvise` (the usual default), nothing backs a tensor's memory with them
 unless asked. `back_with_huge_pages` asks for the 2 MiB-aligned interior of each tensor's storage: MADV_HUGEPAGE
 (later faults there take huge pages) and MADV_COLLAPSE (Linux 6.1+: the pages already there are gathered into huge
 pages now, by the kernel copying them). Contents, addresses and sharing do not change; where the kernel declines
 (an older kernel, huge pages disabled, memory it cannot collapse), the pages stay as they were. The first call on a
-model's weights takes about a second per GiB collapsed; later calls find them done.
+model's weights pays for that copy (its cost per GiB is in docs/serving-cpu.md); later calls find them done.
 """
 
 from __future__ import annotations

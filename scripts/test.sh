@@ -36,7 +36,7 @@ python -m pip install "setuptools>=70.1" wheel
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
 # The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
-# one core, so on a 2-core machine this cuts the wall time from 34 to about 25 minutes (measured on a quiet one).
+# one core, so two workers cut the wall time on a 2-core machine (measured: docs/compatibility.md).
 # The tests marked gpu_versions concern the lent GPU alone and run once, in scripts/test_oldest.sh on the GPU's own
 # versions (torch 2.11, triton 3.6), not here as well.
 SUITE=(python -m pytest -n "$WORKERS" --dist loadfile -m "not gpu_versions")

@@ -9,9 +9,9 @@
 #     interpreter, which needs numpy < 2.4) and scripts/first_light.sh, and the tests of torch's internals: expert
 #     parallelism x FSDP2 with DTensors, torch.compile and torch.export of the custom ops.
 # The venv lives outside the checkout ($HF_MOE_TEST_VENVS, default ~/.cache/hf_moe/venvs) and is reused while the
-# versions below stay the same (a run that reuses it starts its tests ~30 s after the call). A fresh machine
-# downloads about 2.5-3 GB of wheels (torch's CUDA libraries) and the venv takes 5.3 GB of disk; measured here,
-# creating it took 290 s on a busy 2-core machine (95 s for torch, triton and transformers alone on a quieter one).
+# versions below stay the same (a run that reuses it starts its tests soon after the call). On a fresh machine the
+# venv costs gigabytes of wheels (torch's CUDA libraries) and of disk, and minutes to create (measured:
+# docs/compatibility.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST=5.17.0  # = hf_moe.compat.TESTED["transformers"][0] (tests/test_repo.py checks they agree)

@@ -94,7 +94,7 @@ def test_console_script_is_installed():
 
 @pytest.mark.subprocess
 def test_help_imports_neither_torch_nor_transformers():
-    """`hf-moe --help` used to import everything first (16 s); parsing is now standard library only."""
+    """`hf-moe --help` used to import everything first (slow for a help text); parsing is now standard library only."""
     code = (
         "import sys, hf_moe_cli\n"
         "try:\n    hf_moe_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"

@@ -232,7 +232,7 @@ def test_converting_twice_is_refused():
 
 
 def test_conversion_check_runs_where_the_chosen_backend_cannot():
-    """First light on the H100 (2026-11-27) died in gpu_check's training step: HF_MOE_BACKEND=triton (meant for CUDA)
+    """First light on the H100 died in gpu_check's training step: HF_MOE_BACKEND=triton (meant for CUDA)
     and a model converted on CPU, whose logit check ran the experts on Triton, which cannot run on CPU tensors without
     the interpreter. The check measures the conversion's weights, on the reference ops, wherever the model is."""
     from hf_moe.ops import use_backend

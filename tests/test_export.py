@@ -355,7 +355,7 @@ def test_export_peak_memory_is_bounded_by_the_model_size(moe_250mb, verify, tmp_
     """Peak RSS (VmHWM) of a fresh process exporting a 0.24 GB checkpoint, over its baseline (torch, transformers and
     hf_moe imported): writing takes the memory of a tensor; the default check, that of the first 2 of 8 layers
     loaded by hf_moe and then by transformers (which maps the files while it stacks the experts: twice their size).
-    Before streaming, the export grew by 2.4x the model's size (benchmarks/export_memory.py)."""
+    Before streaming, the export grew by several times the model's size (docs/exporting.md)."""
     size = sum(p.stat().st_size for p in moe_250mb.glob("*.safetensors"))
     out = subprocess.run([sys.executable, "-c", PEAK_RSS, str(moe_250mb), str(tmp_path / "out"), verify],
                          check=True, capture_output=True, text=True, cwd=tmp_path)

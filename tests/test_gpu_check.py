@@ -68,7 +68,7 @@ def test_gpu_check_smoke_writes_its_report(tmp_path):
     assert "verdict: passed" in report
     logs = (tmp_path / "logs.txt").read_text()
     assert all(f"==== step {i}: {name}" in logs for i, name in enumerate(STEPS, 1))
-    assert "found in sys.modules" not in logs  # runpy's warning, in every step's output on the H100 (2026-11-27)
+    assert "found in sys.modules" not in logs  # runpy's warning, once in every step's output on a GPU
 
 
 # A Triton GEMM that fails to compile (as a config the GPU cannot hold would), in every process of the run.
@@ -195,7 +195,7 @@ def test_the_budget_goes_to_the_steps_in_order_of_value():
 
 @pytest.mark.oldest
 def test_a_step_gets_what_is_left_of_its_limit_after_the_child_starts(tmp_path):
-    """On the H100 (2026-11-27) the kernel tests' step timed out with nothing recorded: the step planned its pytest
+    """On the H100 the kernel tests' step timed out with nothing recorded: the step planned its pytest
     run for its whole limit, but its process had spent part of it starting (importing torch, cold). The child now
     hands the step what is left until the parent's deadline."""
     from hf_moe.gpu_check.child import child_main
@@ -225,8 +225,8 @@ def test_a_budget_under_the_steps_minimum_is_refused(capsys):
 @pytest.mark.slow
 @interpreter
 def test_kernel_tests_run_on_xdist_workers_and_each_records_its_launches():
-    """On the H100 the Triton tests took over 235 s in one process; the step runs
-    it on pytest-xdist workers, each writing its own launch counts."""
+    """On the H100 the Triton tests took minutes in one process (docs/backends.md); the step runs
+    them on pytest-xdist workers, each writing its own launch counts."""
     from hf_moe.gpu_check.steps import SMOKE_TESTS, _pytest
 
     status, out, launches, fell_back = _pytest(SMOKE_TESTS, 600, env={"TRITON_INTERPRET": "1",
@@ -250,7 +250,7 @@ def test_launch_counts_are_summed_over_the_workers(tmp_path):
 @pytest.mark.oldest
 def test_training_gradients_are_held_against_the_fp32_step():
     """Step 4 compared the Triton backend's bf16-autocast gradients with the torch backend's, which are as noisy: on
-    the H100 (2026-11-27) a router's gradient differed between the two by 7.6e-2 and failed the step. Each is now
+    the H100 a router's gradient differed between the two enough to fail the step (docs/backends.md). Each is now
     held against the fp32 step's: noise the torch backend has too passes, a lost expert's gradient still fails."""
     import torch
 
@@ -332,7 +332,7 @@ def test_a_cut_short_pytest_run_still_counts_what_it_finished():
 @pytest.mark.parametrize("closing, passed", [("84 passed, 3 skipped in 140.69s (0:02:20)", True),
                                              ("83 passed, 1 failed in 140.69s (0:02:20)", False), (None, False)])
 def test_a_run_killed_after_pytest_closing_line_counts_what_it_printed(monkeypatch, closing, passed):
-    """On the H100 (2026-11-27) every kernel test passed, and pytest printed its closing line at 140 s, but its
+    """On the H100 (docs/backends.md) every kernel test passed, and pytest printed its closing line, but its
     workers were still exiting when the step's limit came: the step said "timed out" and failed. Killed after a
     closing line with no failure, the step passes and says how it ended; before it, or after a failure, it fails."""
     from hf_moe.gpu_check import steps

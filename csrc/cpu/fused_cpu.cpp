@@ -25,9 +25,9 @@ namespace {
 // Runs body(e) for every expert with rows: in parallel across experts (single-threaded GEMMs) when there are
 // several small experts per thread and none dominates, or, for decode-sized batches (a few rows per expert, where
 // each GEMM is a matrix-vector product bound by reading the expert's weights), at least one expert per thread;
-// else in order, each GEMM using all threads. Measured on 2 cores (benchmarks/moe_layer.py): experts of 512 rows
-// or fewer go faster in parallel, 1024-row experts in order; a 1-token top-2 decode is 1.9x faster with the two
-// experts' weights streamed by one thread each than with each GEMV split over both threads in turn.
+// else in order, each GEMM using all threads. The thresholds below come from benchmarks/moe_layer.py (small experts
+// go faster in parallel, large ones in order; a 1-token top-2 decode is faster with the two experts' weights
+// streamed by one thread each than with each GEMV split over all threads in turn): docs/benchmarks.md.
 template <typename F>
 void for_each_expert(const std::vector<int64_t>& offsets, const F& body) {
   constexpr int64_t kMaxMeanRowsForParallel = 768;

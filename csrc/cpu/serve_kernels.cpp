@@ -173,11 +173,10 @@ struct LanesBF16 {
 
 // One activation row (a decode step) against NR weight rows, the rows one after the other: the weights are read in
 // memory order, one stream, which the hardware prefetchers follow. Reading the NR rows side by side (NR streams of
-// 18 to 48 cache lines each, as the tile below does) starved them: on the quickstart's shapes from memory
-// (benchmarks/experts_kernels.py --tokens 1, a quiet 2-core EPYC), a bf16 layer call went from 0.828 to 0.531 ms on
-// one thread (12.8 to 20.0 GB/s) and from 0.443 to 0.370 ms on two (24.0 to 28.7 GB/s); an fp32 one from 1.416 to
-// 0.909 ms and from 0.753 to 0.589 ms. Each row's sum runs in the same order as the tile's, so a token's output is
-// the same bits whatever the batch.
+// 18 to 48 cache lines each, as the tile below does) starved them, and a layer call read its weights markedly slower
+// (benchmarks/experts_kernels.py --tokens 1; the numbers: docs/serving-cpu.md, "The decode kernels read their weights
+// in memory order"). Each row's sum runs in the same order as the tile's, so a token's output is the same bits
+// whatever the batch.
 template <class L, int NR>
 HF_AVX512 void dot_rows1(const typename L::T* x, const typename L::T* w, int64_t ldw, int64_t k,
                          __m512 (&acc)[1][NR]) {

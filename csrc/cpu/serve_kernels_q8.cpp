@@ -20,9 +20,9 @@ namespace {
 
 // Software prefetch distance along each int8 weight row, in bytes. A decode streams rows of a few cache lines each,
 // one after the other, and the int8 kernel computes so much per line (dequantizing) that the out-of-order window
-// keeps too few reads in flight: measured on the quickstart's shapes (benchmarks/experts_kernels.py, one thread),
-// int8 went from 8.5 to 17 GB/s with a distance of 2 KiB instead of none. (The fp32 and bf16 kernels, with a few
-// instructions per line, measured 8% slower with it.)
+// keeps too few reads in flight: with this distance int8 reads its weights much faster than with none (the fp32 and
+// bf16 kernels, with a few instructions per line, are slower with it). Measured with benchmarks/experts_kernels.py;
+// the numbers: docs/serving-cpu.md.
 constexpr int64_t kPrefetchBytes = 2048;
 
 template <typename T>
@@ -63,8 +63,7 @@ HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR]
 
 // One fp32 activation row against NR int8 rows, the rows one after the other (in memory order, as dot_rows1 of
 // serve_kernels.cpp), into acc[0][j] (unscaled when kScaled is false), each sum in the same order as the tile below.
-// Measured as there: an int8/fp32 layer call went from 0.532 to 0.416 ms on one thread and from 0.296 to 0.255 ms on
-// two.
+// Faster for the same reason as there (docs/serving-cpu.md).
 template <int NR, bool kScaled>
 HF_AVX512 void dot_rows1_q8(const float* x, const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale,
                             int64_t group, int64_t k, __m512 (&acc)[1][NR]) {
@@ -115,7 +114,7 @@ HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t
     for (int j = 0; j < NR; ++j) sv[j] = _mm512_set1_ps(kScaled ? scale[j * ld_scale + g0 / group] : 1.0f);
     int64_t c = g0;
     // A cache line (64 weights) of every row per step: streaming several rows 16 bytes at a time starves the
-    // hardware prefetchers (measured: 3x slower from memory than cache-line steps).
+    // hardware prefetchers (much slower from memory than cache-line steps: docs/serving-cpu.md).
     for (; c + 64 <= end; c += 64) {
       __m512i lines[NR];
 #pragma GCC unroll 4

@@ -26,7 +26,7 @@ from .format import (
 from .guard import checkpoint_file, open_file, read_bytes
 from .headers import header_of
 
-_HASH_CHUNK = 1 << 20  # read and hashed while still in the CPU cache: 2x faster than 16 MB reads here
+_HASH_CHUNK = 1 << 20  # read and hashed while still in the CPU cache, faster than larger reads (docs/checkpoints.md)
 _MAX_PROBLEMS_SHOWN = 12
 
 
@@ -101,10 +101,10 @@ def file_checksums(path: str | os.PathLike, algorithm: str = CHECKSUM_ALGORITHM,
 
 class _NonFinite:
     """Counts the NaN and infinite values of a floating tensor fed to it in chunks of its bytes (a chunk may end
-    inside a value: its bytes wait for the next chunk). With numpy, on one thread: 0.1-0.2 ms per MB, about what
-    hashing the chunk costs (torch's reductions start a thread pool per call, which costs far more on a busy
-    machine). float32/64 and float16: max and min (NaN propagates, an infinity is one of them), counted only when not
-    finite; bfloat16: its exponent bits (all ones: NaN or infinity); 8-bit floats: through torch, as float32."""
+    inside a value: its bytes wait for the next chunk). With numpy, on one thread: about what hashing the chunk costs
+    (docs/checkpoints.md; torch's reductions start a thread pool per call, which costs far more on a busy machine).
+    float32/64 and float16: max and min (NaN propagates, an infinity is one of them), counted only when not finite;
+    bfloat16: its exponent bits (all ones: NaN or infinity); 8-bit floats: through torch, as float32."""
 
     _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 

@@ -51,7 +51,7 @@ MAX_FILE_BYTES = 1 << 30  # other small files read whole: tokenizer files, the m
 MAX_JSON_VALUES = 2_000_000
 MAX_JSON_DEPTH = 32
 CHECKSUM_ALGORITHMS = {"xxh3_128": xxhash.xxh3_128, "blake2b": hashlib.blake2b, "sha256": hashlib.sha256}
-CHECKSUM_ALGORITHM = "xxh3_128"  # 0.08 s/GB on one core, 8x faster than sha256 (benchmarks/checksums.py)
+CHECKSUM_ALGORITHM = "xxh3_128"  # the fastest of those hashes (benchmarks/checksums.py; docs/checkpoints.md)
 # Whether `from_pretrained` hashes the data of a checkpoint that records checksums, unless told otherwise (the
 # sizes and headers are always checked). See benchmarks/checksums.py for the measured cost.
 VERIFY_CHECKSUMS_BY_DEFAULT = True

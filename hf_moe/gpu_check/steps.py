@@ -101,10 +101,9 @@ def launch_records(path: Path) -> tuple[dict[str, int], dict[str, str]]:
 
 
 def xdist_workers(smoke: bool) -> int:
-    """pytest-xdist processes for the kernel tests on a GPU, one per two cores, at most 8: in one process they took
-    over 235 s on the H100 of 2026-11-27 (where that time goes was not measured; Triton compiles every kernel and
-    autotune configuration on the host, which workers spread over its cores). 0 under --smoke (a few quick tests)
-    or without pytest-xdist."""
+    """pytest-xdist processes for the kernel tests on a GPU, one per two cores, at most 8: in one process they take
+    minutes (docs/backends.md; Triton compiles every kernel and autotune configuration on the host, which workers
+    spread over its cores). 0 under --smoke (a few quick tests) or without pytest-xdist."""
     if smoke or importlib.util.find_spec("xdist") is None:
         return 0
     return max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -123,8 +122,8 @@ def _summary_line(out: str) -> str:
 
 
 def _finished_clean(out: str) -> bool:
-    """Whether pytest printed its closing line with tests passed and none failed or in error (on the H100 of
-    2026-11-27 the run was killed at its limit after that line, while its workers exited)."""
+    """Whether pytest printed its closing line with tests passed and none failed or in error (a run can be killed at
+    its limit after that line, while its workers exit: docs/backends.md)."""
     closing = [line for line in out.splitlines() if line.startswith("=") and " in " in line and line.endswith("=")]
     if not closing:
         return False
@@ -209,9 +208,9 @@ def _tiny_model(device: torch.device, smoke: bool):
 
 # A gradient of the Triton run may be this much further from the fp32 reference than the torch backend's, under the
 # same bf16 autocast: relative error <= FACTOR x torch's + FLOOR. Both backends round to bf16 where autocast does, and
-# some gradients are that noisy for either: on the H100 (2026-11-27) layer 1's router gradient was 1.06e-1 from the
-# fp32 step's on the torch backend and 7.95e-2 on Triton, 7.6e-2 apart (upcycled experts are near-equal, so a
-# router's gradient is a small difference of their outputs). A defect (a row, an expert or a scale lost) is far beyond.
+# some gradients are that noisy for either, a router's most (upcycled experts are near-equal, so a router's gradient
+# is a small difference of their outputs; the H100's errors are in docs/backends.md). A defect (a row, an expert or a
+# scale lost) is far beyond.
 GRAD_FACTOR, GRAD_FLOOR = 1.5, 5e-3
 
 

@@ -11,10 +11,9 @@ little (LRU degenerates on a loop longer than the cache). What an expert is wort
     next_use   the default: the expert whose next use is expected farthest away, from its frequency and where its
                layer is in the loop (an online estimate of Belady's rule)
 
-Measured hit rates without prefetch at a 25% budget (benchmarks/offload.py, README), on the routing traces of
-SmolLM2 8x top-2 / a synthetic 32x top-2 model: lru 37.9% / 69.2%, lfu 51.9% / 75.2%, lfu_decay 52.4% / 75.2%,
-next_use 53.8% / 79.2%, and the offline optimum (Belady) 61.1% / 82.7%. At 12.5% LRU falls to 0% on SmolLM2 (the
-layer loop is longer than the cache).
+next_use is the default because it had the highest hit rate of the online policies on the routing traces replayed
+by benchmarks/offload.py, closest to the offline optimum (Belady); LRU suffers most when the layer loop is longer
+than the cache (the numbers: docs/offload.md).
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ import functools
 import torch
 
 # Layer calls of at most this many tokens take the inference kernel when the weights are fp32 or bf16 (None: any
-# number). Measured (benchmarks/experts_kernels.py, quickstart shapes, one thread, fastest of 7): fp32 ours/MKL
-# 15.4/20.5 ms per layer at 32 tokens, 27/49 at 128, 85/151 at 512; bf16 ours/oneDNN 7.1/8.9 at 32 tokens but
-# 18.4/14.6 at 128 and 49/33 at 512, so longer bf16 calls keep torch's GEMMs (oneDNN).
+# number). In fp32 ours beats MKL at every length; in bf16 oneDNN's GEMM overtakes ours past a few dozen tokens, so
+# longer bf16 calls keep torch's GEMMs (benchmarks/experts_kernels.py; the numbers: docs/serving.md, "Measured").
 MAX_TOKENS = {torch.float32: None, torch.bfloat16: 32}
 
 

@@ -10,10 +10,10 @@
                     routes with the router cut to the rows of S (top-k over S, renormalised as the model does)
                     exactly as the shrunk checkpoint will. Aiming at the original output lets a layer make up for
                     what the layers before it lost; each token's error counts relative to its own output, since a
-                    few tokens with massive activations (a sequence's first) would otherwise weigh most of the sum
-                    (82% of it in one layer of SmolLM2). On the BTX model of docs/shrinking.md the two together took
-                    the held-out loss at 4 of 8 experts from +3.6% to +2.3% (each alone: +3.1% and +3.7%). Every
-                    subset is tried when there are at most ENUMERATION_LIMIT of them (all of them for 8 experts);
+                    few tokens with massive activations (a sequence's first) would otherwise weigh most of the sum.
+                    On the BTX model of docs/shrinking.md the two together lowered the held-out loss at 4 of 8
+                    experts more than either alone (the numbers are there). Every subset is tried when there are at
+                    most ENUMERATION_LIMIT of them (all of them for 8 experts);
                     above, greedy backward elimination (drop the expert whose removal costs least, repeatedly).
     loss            reconstruction's `search_candidates` best subsets of each layer, one chosen by the model's own loss
                     on the calibration text (search.py): a coordinate search over the layers, after EEP's scoring by

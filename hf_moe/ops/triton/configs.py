@@ -11,8 +11,8 @@ Two families, because `tl.dot` takes two paths on sm90:
         rows per expert), where a 128-row tile would be mostly padding at the group edges;
       - 64 x 64 x 128, 4 warps, 3 stages: small N (the [M, 1] bias products) and decode-sized groups.
   * FMA (fp32 at torch's default "highest" precision, fp64): no tensor cores; the product is summed in registers,
-    so the tiles are smaller: ptxas spills the 128 x 256 tile there (13 KB of stack per thread with triton 3.9, 1 KB
-    with 3.6), and `python -m hf_moe.ops.triton.aot --dtype fp32` shows which tiles compile without a spill.
+    so the tiles are smaller: ptxas spills the 128 x 256 tile there (with triton 3.6 and 3.9; the stack sizes are
+    in docs/backends.md), and `python -m hf_moe.ops.triton.aot --dtype fp32` shows which tiles compile without a spill.
 A third family (`UNALIGNED`) serves row strides that are not multiples of 16 elements (no cp.async pipelining).
 GROUP_M = 8 orders the tiles so 8 row tiles sweep a weight column block while it is in L2. The weight gradient's
 configs are the same tile shapes over (P, Q) with the group's rows as the reduction.
@@ -22,7 +22,8 @@ bytes each (exactly what Triton allots for the tensor-core path; an upper bound 
 block, so in TF32 (4-byte operands) 128 x 128 x 64 with 4 stages (256 KB) and 128 x 256 x 64 with 3 (288 KB) do not
 fit. `fit` lowers such a config's stages until it fits (at least 2) and drops it otherwise; the autotuner prunes
 against the shared memory of the device it runs on (`device_shared_memory`).
-None of the speeds is measured: the figures are owed until a GPU runs `python -m hf_moe.gpu_check`.
+The tiles are chosen by this reasoning and the compiler's checks, not by timing each alone; the kernels' speeds on
+a GPU are in docs/backends.md.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ TENSOR_CORE = [_config(128, 256, 64, 8, 3), _config(128, 128, 64, 8, 4), _config
 TENSOR_CORE_WEIGHT_GRAD = [_wg_config(128, 256, 64, 8, 3), _wg_config(128, 128, 64, 8, 4),
                            _wg_config(64, 128, 64, 4, 4), _wg_config(64, 64, 128, 4, 3)]
 # fp32 "highest" and fp64: the tiles that ptxas compiles for sm90 without a spill (aot.py --dtype fp32) with triton 3.6
-# (the device's) and 3.9. 64 x 64 x 128 runs 8 warps: with 4, triton 3.6 spills it (88 B of stack; 3.9 does not).
+# (the device's) and 3.9. 64 x 64 x 128 runs 8 warps: with 4, triton 3.6 spills it (3.9 does not).
 FMA = [_config(64, 64, 64, 4, 3), _config(64, 64, 128, 8, 3), _config(64, 64, 32, 4, 4), _config(32, 64, 32, 4, 3)]
 FMA_WEIGHT_GRAD = [_wg_config(128, 128, 32, 8, 3), _wg_config(64, 128, 32, 4, 3), _wg_config(64, 64, 64, 4, 3),
                    _wg_config(32, 64, 32, 4, 3)]

@@ -78,7 +78,7 @@ def _grouped_mm_kernel(
     m_tile = first_m + (pid % per_sweep) % sweep_rows
     n_tile = (pid % per_sweep) // sweep_rows
     # The row group of this tile: experts 0..E-1, then the dropped rows as group E (they end at row M); past the
-    # last tile, group > E. Inline, and with few tl.sum/cumsum: the interpreter pays ~3 ms per nested jit call.
+    # last tile, group > E. Inline, and with few tl.sum/cumsum: each nested jit call is slow under the interpreter.
     e = tl.arange(0, E_POW2)
     counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
     row_end = tl.cumsum(counts, axis=0)
