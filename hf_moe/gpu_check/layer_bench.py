@@ -145,7 +145,8 @@ def build(hidden, inter, num_experts, top_k, shared, dtype, device) -> tuple[dic
     base = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=8)
     config = MoEConfig.from_base(base, num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
                                  num_shared_experts=shared, norm_topk_prob=not shared)
-    ours = SparseMoeBlock(config).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialised where it runs: a Mixtral-like layer is 1.4B parameters
+        ours = SparseMoeBlock(config).to(dtype=dtype)
     modules = {f"hf_moe {label}": Backend(ours, backend, own) for label, backend, own in variants(device)}
     missing = {}
     try:
@@ -160,9 +161,10 @@ def build(hidden, inter, num_experts, top_k, shared, dtype, device) -> tuple[dic
     else:
         missing["liger fused MoE"] = why
     missing["sonicmoe"] = sonic_status()
-    dense = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=(top_k + shared) * inter, mlp_bias=False,
-                                 num_attention_heads=8))
-    modules["dense"] = dense.to(device=device, dtype=dtype)
+    with torch.device(device):
+        dense = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=(top_k + shared) * inter, mlp_bias=False,
+                                     num_attention_heads=8))
+    modules["dense"] = dense.to(dtype=dtype)
     return modules, missing, ours
 
 

@@ -451,6 +451,8 @@ def step_qwen3(step, smoke: bool, limit: float) -> None:
                         model=f"dense Qwen3 (intermediate {k * inter})")
 
         _guarded(f"dense Qwen3 (intermediate {k * inter})", results, dense_job)
+    extra.append("transformers' grouped_mm casts its input to the experts' dtype: under Trainer(bf16=True), with fp32 "
+                 "weights, its experts compute in fp32 (hf_moe's, as autocast does for nn.Linear, in bf16)")
     ours = _ratio(results, "Qwen3-MoE hf_moe", "Qwen3-MoE grouped_mm")
     if ours is not None:
         extra.append(f"hf_moe TF/s / grouped_mm TF/s = {ours:.2f} (goal >= 1.5)")
