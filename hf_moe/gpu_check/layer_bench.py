@@ -52,9 +52,8 @@ TOKENS = (16384, 32768)
 TINY_SHAPES = [("Qwen3-30B-A3B-like tiny", 32, 8, 8, 4, 0), ("DeepSeek-V2-Lite-like tiny", 32, 16, 4, 2, 2)]
 TINY_TOKENS = (8,)
 REPEATS, SMOKE_REPEATS = 5, 1
-# The wheels SonicMoE needs on the device (pip download --no-deps for cp312 manylinux x86_64, 2026-11-29): sonic-moe
-# 0.1.2.post1 (38 kB) pins nvidia-cutlass-dsl==4.4.2, whose nvidia-cutlass-dsl-libs-base is 74.4 MB and
-# nvidia-cutlass-dsl-libs-cu13 78.4 MB, each past the 64 MiB a device call carries; it also pins torch<=2.9.1.
+# SonicMoE is not carried to the device: its wheels are larger than a device call may carry (their sizes, and how
+# they were read, are in docs/backends.md, "Second light"); the report's rows say so.
 SONIC_ABSENT = ("absent: not carried: sonic-moe 0.1.2.post1 needs nvidia-cutlass-dsl 4.4.2, whose libs-base wheel "
                 "(74.4 MB) and libs-cu13 wheel (78.4 MB) each exceed the 64 MiB a device call carries, and pins "
                 "torch<=2.9.1")
@@ -343,11 +342,12 @@ def step_layers(step, smoke: bool, limit: float) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU, Triton interpreter"
     start, rows, skipped = time.monotonic(), [], []
     liger = "autotuned" if os.environ.get(LIGER_AUTOTUNE, "1").lower() not in ("0", "false", "no") else \
-        "one pinned config each (LIGER_FUSED_MOE_AUTOTUNE=0: its autotuning takes minutes per shape)"
+        "one pinned config each (LIGER_FUSED_MOE_AUTOTUNE=0: its autotuner would time about 240 configurations per " \
+        "layer shape, compiling each, more than one device call holds)"
     for tokens in counts:  # every shape at the first token count (the goals' count) before any at the second
         for spec in shapes:
             spent = time.monotonic() - start
-            if rows and spent > 0.75 * limit:  # a shape at 32k takes well under a quarter of the step's time
+            if rows and spent > 0.75 * limit:  # a quarter of the step's time is kept for the shape started last
                 skipped.append(f"{spec[0]} at {tokens} tokens")
                 continue
             rows += measure_shape(spec, tokens, device, dtype, repeats, memory=tokens == counts[0])
