@@ -131,7 +131,7 @@ def load_base(cls, config, directory: str, base, kwargs: dict) -> nn.Module:
     source = base_source(config, directory, base)
     from transformers import AutoConfig
 
-    hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    hub = {k: kwargs[k] for k in (*HUB_KWARGS, "trust_remote_code") if k in kwargs}
     try:
         base_config = AutoConfig.from_pretrained(source, **hub)
     except (OSError, ValueError, KeyError) as err:
