@@ -54,10 +54,13 @@ def _left_padded(batch: int = 3, length: int = 10):
 
 
 def _generate(model, ids, mask, new_tokens: int = 6):
+    """Greedy generation on transformers' eager path (a dynamic cache asked for: the fully loaded model's plain call
+    may run the one-op decode step, whose kernels round otherwise)."""
     with torch.no_grad():
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, use_cache=True,
+            cache_implementation="dynamic",
         )
 
 
