@@ -125,6 +125,9 @@ def _call_reason(model, batch: int | None) -> str | None:
     """Why the one-op step cannot run a call of `batch` rows on `model` as it is now (None: it can)."""
     if model.training:
         return "the model is in training mode (model.eval() first)"
+    attention = getattr(model.config, "_attn_implementation", "sdpa")
+    if attention != "sdpa":  # eager attention's masks are additive floats, which the step does not take
+        return f"its attention implementation is {attention!r}, not 'sdpa'"
     hooked = next((name or "the model" for name, m in model.named_modules()
                    if m._forward_hooks or m._forward_pre_hooks), None)
     if hooked is not None:

@@ -172,6 +172,9 @@ def test_where_only_a_compiled_step_would_serve_the_plain_call_stays_eager_and_s
     said = [r.getMessage() for r in caplog.records if "decodes with" in r.getMessage()]
     assert len(said) == 1 and "eager engine" in said[0] and "router" in said[0], said
     assert not plans and torch.equal(out.sequences, greedy(moe, ids, 4, **EAGER).sequences)
+    served = model_with("int8")
+    served.config._attn_implementation = "eager"  # additive float masks: the one-op step takes sdpa's boolean ones
+    assert choose_decode(served, 1).engine == "eager" and "'eager'" in choose_decode(served, 1).reason
 
 
 def test_the_plan_is_rebuilt_when_the_weights_change_and_only_then(plans):
