@@ -41,6 +41,7 @@ from .checkpoint.guard import safe_open_file
 from .checkpoint.headers import read_header
 from .decode_native import drop_plan
 from .layers import Experts
+from .layers.adapter_experts import AdapterExperts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size
 from .layers.quantized_linear import QuantizedLinear
 from .modeling import MoEForCausalLM, moe_model_class_for_config
@@ -109,6 +110,13 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
     if linears:
         _check_linears(model, group_size)
     targets = [(name, module) for name, module in model.named_modules() if _fused_experts(module)]
+    if not targets and any(isinstance(m, AdapterExperts) for m in model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} has adapter experts (one frozen MLP shared by all, plus per-expert adapters), "
+            "which hold no per-expert weights to quantize. Materialize them into plain experts first, then quantize: "
+            "hf_moe.quantize_experts(hf_moe.materialize(model)) (or `hf-moe materialize IN OUT`). PESC experts (an "
+            "adapter on the MLP's output) cannot be materialized, so they cannot be int8 experts."
+        )
     if not targets:
         done = any(isinstance(m, QuantizedExperts) for m in model.modules())
         raise ValueError(

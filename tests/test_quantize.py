@@ -438,3 +438,11 @@ def test_int8_linears_keep_the_logits_close_and_save_and_load(tmp_path):
 def test_int8_linears_refuse_a_group_size_that_does_not_divide_a_layer():
     with pytest.raises(ValueError, match="does not divide"):
         quantize_experts(_moe(), "int8", group_size=64 * 3, linears=True)
+
+
+def test_adapter_experts_are_refused_with_materialize_first():
+    """Adapter experts were converted, but hold no per-expert weights: the message says to materialize them."""
+    model = hf_moe.convert_to_moe(tiny_dense("llama"), num_experts=4, top_k=2, method="lora", rank=4, verify=False)
+    with pytest.raises(ValueError, match=r"adapter experts .* Materialize them .*hf_moe.materialize\(model\)"):
+        quantize_experts(model, "int8")
+    quantize_experts(hf_moe.materialize(model), "int8")  # (what the message says works)
