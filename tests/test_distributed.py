@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -271,3 +272,23 @@ def test_accelerate_launch_example_with_expert_parallelism(tmp_path):
     # same; after it, AdamW amplifies the different summation order only in the last digits.
     assert curves["ep"][0] == pytest.approx(curves["single"][0], rel=1e-5)
     assert curves["ep"] == pytest.approx(curves["single"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_the_launch_commands_of_the_expert_parallel_message_start_n_processes_on_cpu(tmp_path):
+    """Both commands the message names, as written (N = 2), start two processes on this machine without GPUs: plain
+    `accelerate launch --num_processes N` starts one there, which the message had named first."""
+    from hf_moe.parallel import mesh
+
+    with pytest.raises(RuntimeError) as caught:
+        mesh._require_distributed()
+    commands = re.findall(r"`((?:torchrun|accelerate launch) [^`]*)`", str(caught.value))
+    assert [c.split()[0] for c in commands] == ["torchrun", "accelerate"]
+    script = tmp_path / "script.py"
+    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "print('WORLD', dist.get_rank(), dist.get_world_size(), flush=True)\n")
+    for command in commands:
+        argv = [str(script) if word == "script.py" else "2" if word == "N" else word for word in command.split()]
+        out = _run(argv, timeout=300).stdout
+        assert sorted(line for line in out.splitlines() if line.startswith("WORLD")) == ["WORLD 0 2", "WORLD 1 2"], (
+            command, out)

@@ -124,7 +124,8 @@ def build(verbose: bool = False):
         start = time.monotonic()
         message = (f"hf_moe: compiling the C++ extension into {build_dir}, once per user and machine: {estimate} "
                    "(HF_MOE_BACKEND=torch skips it)")
-        with _elapsed(message):
+        objects = [build_dir / f"{Path(source).stem}.o" for source in sources]  # (what ninja writes for each)
+        with _elapsed(message, lambda: f"{sum(o.is_file() for o in objects)} of {len(objects)} files compiled"):
             module = load(name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CXX_FLAGS,
                           extra_ldflags=["-fopenmp"], with_cuda=False, verbose=verbose)
         _write_atomically(build_dir / BUILT, f"{time.monotonic() - start:.0f}\n")
@@ -137,6 +138,7 @@ BUILT = "hf_moe-build.done"
 # and all of torch's headers) costs about twice any other; docs/backends.md gives the whole build's time.
 TORCH_EXTENSION_UNIT_S, UNIT_S = 27, 12
 LINK_S = 2
+PROGRESS_EVERY_S = 30  # (a build's progress, in a log rather than on a terminal)
 
 
 def compile_cpu_seconds(csrc: Path | None = None) -> list[float]:
@@ -147,24 +149,25 @@ def compile_cpu_seconds(csrc: Path | None = None) -> list[float]:
 
 
 def build_estimate(ext_dir: Path) -> str:
-    """How long a build will take, in words: what the last build on this machine took (another hash's, in
-    `ext_dir`), else the compiles' CPU time (`compile_cpu_seconds`) spread over the cores ninja can use, stretched by
-    the machine's load by (load + cores) / cores."""
+    """How long a build will take, in words, as a range: from the compiles' CPU time (`compile_cpu_seconds`) spread
+    over the cores ninja can use when they are idle, to that stretched by the machine's load ((load + cores) / cores,
+    at least twice: other processes take cores while it builds); or what the last build on this machine took (another
+    hash's, in `ext_dir`). Either way it says that a loaded machine takes longer: the same build took 45 s on two
+    idle cores and 3 to 8 minutes on those cores shared with other jobs."""
     done = sorted((p.stat().st_mtime, p) for p in ext_dir.glob(f"*/{BUILT}"))
     for _, path in reversed(done):
         try:
             seconds = float(path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue
-        return f"about {_minutes(seconds)}, as the last build here took"
+        return f"the last build here took {_minutes(seconds)}; longer if the machine is busier now"
     cores = int(os.environ.get("MAX_JOBS") or 0) or _usable_cores()  # torch passes MAX_JOBS to ninja as -j
     units = compile_cpu_seconds()
     idle = max(max(units), sum(units) / min(cores, len(units))) + LINK_S
-    text = f"about {_minutes(idle)} on {cores} idle core{'s' if cores > 1 else ''}"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    if load >= cores / 2:
-        text += f", about {_minutes(idle * (load + cores) / cores)} at this machine's load ({load:.0f})"
-    return text
+    busy = max(2 * idle, idle * (load + cores) / cores)
+    return (f"{_minutes(idle)} to {_minutes(busy)} on {cores} core{'s' if cores > 1 else ''} (load now {load:.0f}); "
+            "longer on a loaded machine")
 
 
 def _usable_cores() -> int:
@@ -215,9 +218,10 @@ def _exclusive(build_dir: Path):
 
 
 @contextlib.contextmanager
-def _elapsed(message: str, enabled: bool = True):
-    """Say what is being done and, on a terminal, how long it has taken so far (ninja does not say how far it is);
-    then how long it took."""
+def _elapsed(message: str, progress=None, enabled: bool = True):
+    """Say what is being done, then how far it is while it runs (ninja says nothing until it is done): the time so
+    far and `progress()` ("3 of 11 files compiled"), on one rewritten line each second on a terminal, else a line every
+    PROGRESS_EVERY_S (a log); then how long it took."""
     if not enabled:
         yield
         return
@@ -226,19 +230,23 @@ def _elapsed(message: str, enabled: bool = True):
     print(f"{message} ...", file=sys.stderr, end="" if live else "\n", flush=True)
     stop = threading.Event()
 
-    def tick():
-        while not stop.wait(1.0):
-            print(f"\r{message} ... {time.monotonic() - start:.0f} s", file=sys.stderr, end="", flush=True)
+    def so_far() -> str:
+        return f"{time.monotonic() - start:.0f} s" + (f", {progress()}" if progress is not None else "")
 
-    ticker = threading.Thread(target=tick, daemon=True) if live else None
-    if ticker is not None:
-        ticker.start()
+    def tick():
+        while not stop.wait(1.0 if live else PROGRESS_EVERY_S):
+            if live:
+                print(f"\r{message} ... {so_far()}", file=sys.stderr, end="", flush=True)
+            else:
+                print(f"hf_moe: still compiling the C++ extension: {so_far()}", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
     try:
         yield
     finally:
         stop.set()
-        if ticker is not None:
-            ticker.join()
+        ticker.join()
         print(f"\r{message}: done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 

@@ -52,11 +52,11 @@ class ExpertParallelPlan:
 def _require_distributed() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "Expert parallelism needs several processes and torch.distributed: launch with "
-            "`torchrun --nproc_per_node N ...` or `accelerate launch --num_processes N ...` (on a machine without "
-            "GPUs, accelerate starts several processes only with --multi_gpu; they then run on the CPU with gloo), "
-            "and create the process group first (transformers' TrainingArguments and Accelerator do; or "
-            "torch.distributed.init_process_group())."
+            "Expert parallelism needs several processes and torch.distributed: launch N of them with "
+            "`torchrun --nproc_per_node N script.py` (with or without GPUs; on CPUs they use gloo), or with "
+            "`accelerate launch --multi_gpu --num_processes N script.py` (without --multi_gpu, accelerate starts a "
+            "single process on a machine without GPUs), and create the process group first (transformers' "
+            "TrainingArguments and Accelerator do; or torch.distributed.init_process_group())."
         )
 
 
