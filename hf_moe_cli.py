@@ -19,6 +19,16 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--layers takes comma-separated integers like 0,2,4, got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer of at least 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-moe", description="Mixture-of-Experts for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,7 +139,9 @@ def _parser() -> argparse.ArgumentParser:
                           "cpu: experts in host memory, a cache on the GPU")
     generate.add_argument("--max-expert-memory", help="bytes the resident experts may take, e.g. 1GiB or 500MB "
                           "(with --offload-experts)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--max-new-tokens", type=_positive_int, default=64,
+                          help="tokens to generate at most (default 64); with --cache-implementation static, a cache "
+                          "larger than the memory free is refused before anything is allocated")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     generate.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
                           help="weights' dtype: auto (as saved), fp32, or bf16 (half the bytes per decoded token; "

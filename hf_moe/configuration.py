@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import reprlib
 import sys
 from collections.abc import Callable
@@ -119,15 +120,15 @@ class MoEConfig(PreTrainedConfig):
     router_weights: str = "softmax"
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
-    shared_expert_gate: bool = False  # (merge, issue 21) shared experts scaled by sigmoid(x W_g), as Qwen2-MoE
+    shared_expert_gate: bool = False  # (merge) shared experts scaled by sigmoid(x W_g), as Qwen2-MoE
     moe_output_bias: bool = False
-    router_skip_threshold: float = 0.0  # (shrink, issue 31) dynamic skipping of small-weight experts; 0: off
+    router_skip_threshold: float = 0.0  # (shrink) dynamic skipping of small-weight experts; 0: off
     router_init_std: float | None = None
     decoder_layers_path: str | None = None
     moe_block_path: str = "mlp"
     moe_bypassed_paths: list[str] | None = None
     moe_conversion: dict | None = None
-    adapter_experts: dict | None = None  # (issue 30) experts = a frozen MLP + per-expert adapters
+    adapter_experts: dict | None = None  # experts = a frozen MLP + per-expert adapters
     hf_moe_format: int = CHECKPOINT_FORMAT_VERSION
 
     def __new__(cls, *args, **kwargs):
@@ -143,13 +144,7 @@ class MoEConfig(PreTrainedConfig):
                 f"base_model_type={base_model_type!r}."
             )
         kwargs.pop("model_type", None)  # always "hf_moe"; a stale base value must not shadow it
-        _check_types(self)
-        if self.hf_moe_format > CHECKPOINT_FORMAT_VERSION:
-            raise ValueError(
-                f"This config was written by a newer hf_moe (checkpoint format {self.hf_moe_format}); "
-                f"hf_moe {__version__} reads format {CHECKPOINT_FORMAT_VERSION} and older. "
-                "Upgrade hf_moe: `pip install -U hf-moe`."
-            )
+        _check_fields(self)
         self.moe_bypassed_paths = list(self.moe_bypassed_paths or [])
         super().__post_init__(**kwargs)
         if self.moe_layers is None:
@@ -162,11 +157,10 @@ class MoEConfig(PreTrainedConfig):
         self._validate_moe()
 
     def _validate_moe(self):
-        _check_types(self)
+        """Every MoE field alone (`_check_field`), then what depends on several fields or on the base config."""
+        _check_fields(self)
         num_layers = self.get_text_config().num_hidden_layers
-        if self.num_experts < 1:
-            raise ValueError(f"num_experts must be at least 1, got {self.num_experts}.")
-        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+        if not self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok (top_k) must be between 1 and num_experts={self.num_experts}, "
                 f"got {self.num_experts_per_tok}."
@@ -178,46 +172,35 @@ class MoEConfig(PreTrainedConfig):
             )
         if not self.moe_layers:
             raise ValueError("moe_layers is empty: choose at least one decoder layer to make an MoE layer.")
-        if self.moe_intermediate_size is None or self.moe_intermediate_size < 1:
+        if self.moe_intermediate_size is None:
             raise ValueError(f"moe_intermediate_size must be a positive int, got {self.moe_intermediate_size}.")
-        if self.router_weights not in ("softmax", "unit"):
-            raise ValueError(f"router_weights must be 'softmax' or 'unit', got {self.router_weights!r}.")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be 0 or more, got {self.num_shared_experts}.")
-        for name in ("capacity_factor", "eval_capacity_factor"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < math.inf:
-                raise ValueError(f"{name} must be positive and finite (or None for dropless), got {value}.")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise", "router_bias_update_rate"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
-        if not 0 <= self.moe_output_dropout < 1:
-            raise ValueError(f"moe_output_dropout must be in [0, 1), got {self.moe_output_dropout}.")
-        if not 0 <= self.router_skip_threshold <= 1:
-            raise ValueError(
-                f"router_skip_threshold must be in [0, 1] (0: off), got {self.router_skip_threshold}: an expert is "
-                "skipped when its weight is below the threshold times the token's largest weight."
-            )
-        if self.router_init_std is not None and not 0 < self.router_init_std < math.inf:
-            raise ValueError(f"router_init_std must be a positive finite number (or None), got {self.router_init_std}.")
-        for name in ("num_prototypes", "shared_expert_intermediate_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1 (or None for the default), got {getattr(self, name)}.")
-        if self.router_type not in ROUTERS:
-            raise ValueError(
-                f"Unknown router_type {_brief(self.router_type)}. Registered routers: {', '.join(sorted(ROUTERS))}. "
-                "A custom router must be registered (@hf_moe.register_router) before the config is created."
-            )
         if self.adapter_experts is not None:
             check_adapter_spec(self.adapter_experts, self.expert_glu)
             if self.num_shared_experts:
                 raise ValueError("adapter_experts with num_shared_experts: every adapter expert already holds the "
                                  "whole dense MLP; shared experts are for upcycled or merged experts.")
-        if self.expert_hidden_act not in ACT2FN:
-            raise ValueError(
-                f"expert_hidden_act {_brief(self.expert_hidden_act)} is not an activation of transformers "
-                "(a key of transformers.activations.ACT2FN, e.g. 'silu', 'gelu')."
-            )
+
+    def __setattr__(self, key, value):
+        # A value set after construction (`from_pretrained(path, router_skip_threshold=...)` sets its keyword
+        # arguments this way, and so does user code) is checked like one read from config.json: otherwise it is
+        # refused only by the next load of the checkpoint it was saved in, or fails in the first forward.
+        if key in _FIELD_TYPES or key in _LIST_FIELDS or key in _DICT_FIELDS:
+            _check_field(key, value)
+        super().__setattr__(key, value)
+
+    def validate(self):
+        """The base config's checks (transformers runs them in `save_pretrained`), then every MoE field's: a config
+        that a load would refuse is never written."""
+        super().validate()
+        self._validate_moe()
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        # transformers sets the keyword arguments of `from_pretrained` one by one after construction: each is checked
+        # alone by __setattr__, and what ties fields together (top_k <= num_experts, moe_layers) is checked here.
+        out = super().from_dict(config_dict, **kwargs)
+        (out[0] if isinstance(out, tuple) else out)._validate_moe()
+        return out
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
@@ -326,22 +309,103 @@ def _is(value, kind: str) -> bool:
     return isinstance(value, str)
 
 
-def _check_types(config) -> None:
-    """Every MoE field has its type: `num_experts: "4"` or `moe_layers: ["0"]` is an error that names the field."""
-    for name, kind in _FIELD_TYPES.items():
-        value = getattr(config, name)
-        if value is None and name in _NULLABLE:
-            continue
+# The MoE fields that fix a checkpoint's tensors (which there are, and their shapes): a load may not change them.
+LAYOUT_FIELDS = (
+    "num_experts", "moe_layers", "moe_intermediate_size", "expert_glu", "expert_bias", "num_shared_experts",
+    "shared_expert_intermediate_size", "shared_expert_gate", "moe_output_bias", "num_prototypes",
+)
+_LIST_FIELDS = {"moe_layers": _INT, "moe_bypassed_paths": _STR}
+_DICT_FIELDS = ("moe_conversion", "adapter_experts")
+
+
+_FINITE_NONNEGATIVE = (lambda v: 0 <= v < math.inf, "must be a finite number >= 0")
+# The range of each MoE field on its own (what ties fields together is in `MoEConfig._validate_moe`). Each test is
+# written so that NaN fails it. name -> (test, what the value must be).
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_experts": (lambda v: v >= 1, "must be at least 1"),
+    "num_experts_per_tok": (lambda v: v >= 1, "must be at least 1 (and at most num_experts)"),
+    "moe_intermediate_size": (lambda v: v >= 1, "must be a positive int"),
+    "num_shared_experts": (lambda v: v >= 0, "must be 0 or more"),
+    "num_prototypes": (lambda v: v >= 1, "must be at least 1 (or None for the default)"),
+    "shared_expert_intermediate_size": (lambda v: v >= 1, "must be at least 1 (or None for the default)"),
+    "capacity_factor": (lambda v: 0 < v < math.inf, "must be positive and finite (or None for dropless)"),
+    "eval_capacity_factor": (lambda v: 0 < v < math.inf, "must be positive and finite (or None for dropless)"),
+    "router_aux_loss_coef": _FINITE_NONNEGATIVE,
+    "router_z_loss_coef": _FINITE_NONNEGATIVE,
+    "router_bias_update_rate": _FINITE_NONNEGATIVE,
+    # The input is scaled by a factor drawn from [1 - noise, 1 + noise]: from 1 on, it can be zero or flip sign.
+    "router_jitter_noise": (lambda v: 0 <= v < 1, "must be in [0, 1) (a multiplicative jitter; 0: off)"),
+    "moe_output_dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "router_skip_threshold": (
+        lambda v: 0 <= v <= 1,
+        ("must be in [0, 1] (0: off): an expert is skipped when its weight is below the threshold times the "
+         "token's largest weight"),
+    ),
+    "router_init_std": (lambda v: 0 < v < math.inf, "must be a positive finite number (or None)"),
+    "router_weights": (lambda v: v in ("softmax", "unit"), "must be 'softmax' or 'unit'"),
+    "hf_moe_format": (lambda v: v >= 0, "must be 0 or more"),
+}
+
+
+def _check_field(name: str, value) -> None:
+    """`value` has the type and range of the MoE field `name` (a ValueError that names the field and the fix)."""
+    if value is None and name in _NULLABLE:
+        return
+    if name in _FIELD_TYPES:
+        kind = _FIELD_TYPES[name]
         if not _is(value, kind):
             raise ValueError(f"{name} must be {kind}, got {_brief(value)} ({type(value).__name__}).")
-    for name in ("moe_layers", "moe_bypassed_paths"):
-        value, kind = getattr(config, name), _INT if name == "moe_layers" else _STR
-        if value is not None and not (isinstance(value, (list, tuple)) and all(_is(v, kind) for v in value)):
+    elif name in _LIST_FIELDS:
+        kind = _LIST_FIELDS[name]
+        if not (isinstance(value, (list, tuple)) and all(_is(v, kind) for v in value)):
             raise ValueError(f"{name} must be a list of {'ints' if kind == _INT else 'strings'}, got {_brief(value)}.")
-    for name in ("moe_conversion", "adapter_experts"):
-        value = getattr(config, name)
-        if value is not None and not isinstance(value, dict):
+        return
+    elif name in _DICT_FIELDS:
+        if not isinstance(value, dict):
             raise ValueError(f"{name} must be an object, got {_brief(value)}.")
+        return
+    if name in _RANGES and not _RANGES[name][0](value):
+        raise ValueError(f"{name} {_RANGES[name][1]}, got {_brief(value)}.")
+    if name == "hf_moe_format" and value > CHECKPOINT_FORMAT_VERSION:
+        raise ValueError(
+            f"This config was written by a newer hf_moe (checkpoint format {value}); "
+            f"hf_moe {__version__} reads format {CHECKPOINT_FORMAT_VERSION} and older. "
+            "Upgrade hf_moe: `pip install -U hf-moe`."
+        )
+    if name == "router_type" and value not in ROUTERS:
+        raise ValueError(
+            f"Unknown router_type {_brief(value)}. Registered routers: {', '.join(sorted(ROUTERS))}. "
+            "A custom router must be registered (@hf_moe.register_router) before the config is created."
+        )
+    if name == "expert_hidden_act" and value not in ACT2FN:
+        raise ValueError(
+            f"expert_hidden_act {_brief(value)} is not an activation of transformers "
+            "(a key of transformers.activations.ACT2FN, e.g. 'silu', 'gelu')."
+        )
+
+
+def _check_fields(config) -> None:
+    """Every MoE field of `config` has its type and range: `num_experts: "4"` or `moe_layers: ["0"]` is an error
+    that names the field."""
+    for name in (*_FIELD_TYPES, *_LIST_FIELDS, *_DICT_FIELDS):
+        _check_field(name, getattr(config, name))
+
+
+def check_layout_kwargs(directory: str, kwargs: dict) -> None:
+    """A keyword argument of `from_pretrained` may change how the loaded model runs (`num_experts_per_tok`,
+    `router_skip_threshold`, ...), not which tensors it has: a larger `num_experts` would be allocated in full before
+    the checkpoint's tensors are compared with it. Refused, naming the saved value, before anything is built."""
+    asked = [name for name in LAYOUT_FIELDS if name in kwargs]
+    if not asked or not os.path.isfile(os.path.join(directory, "config.json")):
+        return
+    saved, _ = MoEConfig.get_config_dict(directory)
+    differ = [name for name in asked if name in saved and kwargs[name] != saved[name]]
+    if differ:
+        said = ", ".join(f"{name}={_brief(kwargs[name])} (the checkpoint's: {_brief(saved[name])})" for name in differ)
+        raise ValueError(
+            f"from_pretrained({said}): the checkpoint's tensors fix these fields, so a load cannot change them. Leave "
+            "them out; to change the experts, convert again (hf_moe.convert_to_moe) or shrink (hf_moe.shrink)."
+        )
 
 
 def _empty_config(base_model_type: str) -> MoEConfig:

@@ -24,23 +24,25 @@ tests/test_decode.py):
   step (hf_moe.decode: the attention sub-block as one op); for any other model, transformers' forward;
 - `fullgraph=True, dynamic=False`: the whole step is one graph, specialised to the batch size and the length of
   the static cache, compiled with inductor's C++ wrapper (`DECODE_OPTIONS`: its kernels called from one C++
-  function, no Python between them). The first call compiles (a minute or two for a 30-layer model on 2 cores);
+  function, no Python between them). The first call compiles (long on CPU: docs/serving-cpu.md says how long);
   later calls of the same batch size reuse it while prompt + new tokens fit in the cache.
 - The cache length is the call's need rounded up to a power of two, at least `MIN_CACHE_LEN`, and transformers keeps
   the longest length seen: a longer call compiles once more, for the next power of two, and shorter calls then
   reuse that graph. Over a process's life that is at most a handful of compilations (256, 512, 1024, ...).
-- Each decode step attends over the whole static cache (masked), so the cache is kept no longer than needed: on
-  SmolLM2 (3 KV heads of 64) 1024 positions cost about 0.15 ms more per layer and step than 256 on one core.
+- Each decode step attends over the whole static cache (masked), so the cache is kept no longer than needed: every
+  unused position costs time in every layer and step (docs/serving-cpu.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import CompileConfig, GenerationConfig
 
 from .compat import compile_on_every_device
 from .decode import ONE_OP, choose_decode, say
+from .memory import SKIP_VARIABLE, format_bytes, free_memory, size_check_skipped
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
 STATIC = "static"
@@ -128,12 +130,18 @@ def _setting(model, kwargs: dict, name: str):
     return getattr(getattr(model, "generation_config", None), name, None)
 
 
-def _needed_length(model, args: tuple, kwargs: dict) -> int | None:
-    """Prompt + new tokens of a `generate` call, when its arguments say (None when they do not)."""
+def _prompt(args: tuple, kwargs: dict):
+    """The prompt of a `generate` call ([B, T] ids or [B, T, H] embeddings), None when its arguments do not say."""
     prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     if prompt is None:
         prompt = kwargs.get("inputs_embeds")
-    if not hasattr(prompt, "shape") or len(prompt.shape) < 2:
+    return prompt if hasattr(prompt, "shape") and len(prompt.shape) >= 2 else None
+
+
+def _needed_length(model, args: tuple, kwargs: dict) -> int | None:
+    """Prompt + new tokens of a `generate` call, when its arguments say (None when they do not)."""
+    prompt = _prompt(args, kwargs)
+    if prompt is None:
         return None
     new = _setting(model, kwargs, "max_new_tokens")
     if new is not None:
@@ -156,10 +164,8 @@ def _plain_batch(model, args: tuple, kwargs: dict) -> int | None:
     if any(kwargs.get(name) is not None for name in ("past_key_values", "cache")) or (
             _setting(model, kwargs, "num_beams") or 1) > 1:
         return None
-    prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    prompt = _prompt(args, kwargs)
     if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
-    if not hasattr(prompt, "shape") or len(prompt.shape) < 2:
         return None
     return prompt.shape[0] * (_setting(model, kwargs, "num_return_sequences") or 1)
 
@@ -174,8 +180,67 @@ def _compiles(model) -> bool:
 def _with_cache_length(model, args: tuple, kwargs: dict) -> dict:
     if _setting(model, kwargs, "max_cache_len") is None:
         needed = _needed_length(model, args, kwargs)
-        kwargs["max_cache_len"] = cache_length(needed) if needed is not None else MIN_CACHE_LEN
+        length = cache_length(needed) if needed is not None else MIN_CACHE_LEN
+        if needed is not None and length > needed and not _fits(model, args, kwargs, length):
+            length = max(needed, MIN_CACHE_LEN)  # (the power of two is for reusing a compiled step, not worth an OOM)
+        kwargs["max_cache_len"] = length
     return kwargs
+
+
+def static_cache_bytes(config, batch: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of transformers' static KV cache of `length` positions for `batch` sequences of a model of `config`:
+    keys and values [batch, KV heads, length, head_dim] in `dtype` for each layer (a sliding-window layer keeps at
+    most its window)."""
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+    types = getattr(text, "layer_types", None) or [None] * text.num_hidden_layers
+    positions = sum(min(length, window) if window and kind in (None, "sliding_attention", "chunked_attention")
+                    else length for kind in types)
+    return 2 * batch * heads * head_dim * positions * torch.empty((), dtype=dtype).element_size()
+
+
+def _batch(model, args: tuple, kwargs: dict) -> int | None:
+    prompt = _prompt(args, kwargs)
+    if prompt is None:
+        return None
+    return prompt.shape[0] * (_setting(model, kwargs, "num_return_sequences") or 1) * (
+        _setting(model, kwargs, "num_beams") or 1)
+
+
+def _cache_and_room(model, args: tuple, kwargs: dict, length: int | None) -> tuple[int, int] | None:
+    """(bytes of a static cache of `length` positions for this call, bytes free where it would go); None where the
+    call or the device does not say."""
+    batch, parameter = _batch(model, args, kwargs), next(model.parameters(), None)
+    room = None if parameter is None else free_memory(parameter.device)
+    if length is None or batch is None or room is None:
+        return None
+    return static_cache_bytes(model.config, batch, length, parameter.dtype), room
+
+
+def _fits(model, args: tuple, kwargs: dict, length: int) -> bool:
+    sizes = _cache_and_room(model, args, kwargs, length)
+    return sizes is None or sizes[0] <= sizes[1]
+
+
+def check_static_cache(model, args: tuple, kwargs: dict) -> None:
+    """Refuse, before anything is allocated, a static KV cache larger than the memory free where it would go: the
+    cache is allocated (and zeroed) whole at the first forward, so a huge `max_new_tokens` would end in an allocator
+    traceback, or take the memory before the first token. `HF_MOE_SKIP_SIZE_CHECK=1` goes ahead."""
+    length = _setting(model, kwargs, "max_cache_len") or _needed_length(model, args, kwargs)
+    sizes = None if size_check_skipped() else _cache_and_room(model, args, kwargs, length)
+    if sizes is None or sizes[0] <= sizes[1]:
+        return
+    parameter, new = next(model.parameters()), _setting(model, kwargs, "max_new_tokens")
+    raise ValueError(
+        f"A static KV cache of {length:,} positions for {_batch(model, args, kwargs)} sequence(s) would take "
+        f"{format_bytes(sizes[0])} ({str(parameter.dtype).removeprefix('torch.')}), but {format_bytes(sizes[1])} of "
+        f"memory is free on {parameter.device}. Ask for fewer tokens"
+        + (f" (max_new_tokens={new:,})" if isinstance(new, int) else "")
+        + " or a smaller batch, or drop cache_implementation='static': the default dynamic cache grows only as "
+        f"tokens are generated. If you know it fits, set {SKIP_VARIABLE}=1."
+    )
 
 
 def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
@@ -189,11 +254,15 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
       logger "hf_moe").
     - A static cache asked for (`cache_implementation="static"`, as a keyword, in the `generation_config` passed, or
       in the model's): a `compile_config` that compiles on CPU too, unless the caller gave one.
-    - Either way, a `max_cache_len` of the call's need rounded up to a power of two (`cache_length`), unless the
-      caller gave one.
+    - Either way, a `max_cache_len` of the call's need rounded up to a power of two (`cache_length`; the need itself
+      where the power of two would not fit in the memory free), unless the caller gave one.
+    - A static cache the caller asked for that would not fit in the memory free where it goes is refused before
+      anything is allocated (`check_static_cache`); the plain call then keeps transformers' dynamic cache.
     Anything the caller chose is kept as they chose it. Neither on models placed by accelerate nor on models with
     offloaded experts (`_compiles`)."""
     if not _compiles(model):
+        if _asks_for_static_cache(model, kwargs):
+            check_static_cache(model, args, kwargs)
         return kwargs
     if not _asks_for_static_cache(model, kwargs):
         batch = _plain_batch(model, args, kwargs)
@@ -203,9 +272,14 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
         say(model, choice)
         if choice.engine != ONE_OP:
             return kwargs
-        kwargs = dict(kwargs, cache_implementation=STATIC, compile_config=decode_compile_config(compile=False))
-        return _with_cache_length(model, args, kwargs)
-    kwargs = dict(kwargs)
-    if _setting(model, kwargs, "compile_config") is None:
-        kwargs["compile_config"] = decode_compile_config()
-    return _with_cache_length(model, args, kwargs)
+        planned = _with_cache_length(model, args, dict(kwargs))
+        if not _fits(model, args, planned, _setting(model, planned, "max_cache_len")):
+            return kwargs  # (the one-op step's static cache would not fit: transformers' dynamic one grows as it goes)
+        kwargs = dict(planned, cache_implementation=STATIC, compile_config=decode_compile_config(compile=False))
+    else:
+        kwargs = dict(kwargs)
+        if _setting(model, kwargs, "compile_config") is None:
+            kwargs["compile_config"] = decode_compile_config()
+    kwargs = _with_cache_length(model, args, kwargs)
+    check_static_cache(model, args, kwargs)
+    return kwargs

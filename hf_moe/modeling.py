@@ -40,7 +40,7 @@ from .checkpoint import (
 from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
-from .configuration import MoEConfig, _base_config_class, moe_config_class
+from .configuration import MoEConfig, _base_config_class, check_layout_kwargs, moe_config_class
 from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .decode import decode_step, reset_decode_steps
 from .generation import DecodeCompileConfig, prepare_generate_kwargs
@@ -190,6 +190,7 @@ class MoEPreTrainedModel(PreTrainedModel):
             kwargs.pop("subfolder", None)  # (the checkpoint's, not the base's)
             return load_adapter_model(cls, adapter_dir, *model_args, expert_parallel=expert_parallel, **kwargs)
         if kwargs.get("offload_experts") is not None or kwargs.get("max_expert_memory") is not None:
+            check_layout_kwargs(os.fspath(pretrained_model_name_or_path), kwargs)
             return load_offloaded(
                 cls, pretrained_model_name_or_path, *model_args, expert_parallel=expert_parallel, **kwargs
             )
@@ -212,6 +213,8 @@ class MoEPreTrainedModel(PreTrainedModel):
                 )
             if isinstance(kwargs.get("config"), MoEConfig):
                 kwargs["config"] = _with_config_kwargs(kwargs["config"], kwargs)
+            else:
+                check_layout_kwargs(local_dir, kwargs)
             cls = cls._specialised_for(path, kwargs)
             output_loading_info = kwargs.pop("output_loading_info", False)
             model, info = super(MoEPreTrainedModel, cls).from_pretrained(

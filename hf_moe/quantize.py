@@ -45,6 +45,7 @@ from .layers.adapter_experts import AdapterExperts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size
 from .layers.quantized_linear import QuantizedLinear
 from .modeling import MoEForCausalLM, moe_model_class_for_config
+from .ops.int8 import bad_scales, scale_limit
 from .routing import moe_blocks
 
 METHODS = ("int8",)
@@ -125,8 +126,8 @@ def quantize_experts(model: nn.Module, method: str = "int8", *, group_size: int 
                " (no hf_moe Experts module, nor a transformers experts module with fused 3-D weights). "
                "Convert a dense model first with hf_moe.convert_to_moe.")
         )
-    for name, module in targets:
     drop_plan(model)  # the one-op decode step's plan holds the weights replaced here: they go now, not at next use
+    for name, module in targets:
         if getattr(module, "ep_plan", None) is not None or isinstance(module.down_proj, DTensor):
             raise NotImplementedError(
                 "quantize_experts does not take expert-parallel (sharded) experts: quantize the model on one "
@@ -338,8 +339,8 @@ def _read_experts(directory: str, model, config, weight_map: dict[str, str], exp
             for key in keys:
                 prefix, expert, name = key.rsplit(".", 2)
                 tensor = f.get_tensor(key)
-                if name.endswith("_scale") and not (torch.isfinite(tensor).all() and (tensor >= 0).all()):
-                    raise CheckpointError(f"{filename} is corrupt: {key} holds negative or non-finite scales.")
+                if name.endswith("_scale"):
+                    _check_scales(filename, key, tensor, expected[key.removesuffix("_scale")][1][-1])
                 getattr(quantized[layer_of[prefix]], name)[int(expert)].copy_(tensor)
     device = next(model.parameters()).device
     for block, experts in zip(blocks, quantized, strict=True):
@@ -357,7 +358,18 @@ def _read_linears(directory: str, model, weight_map: dict[str, str], linears: di
             key = f"{name}.{attr}"
             with safe_open_file(directory, weight_map[key], INDEX_NAME) as f:
                 tensor = f.get_tensor(key)
-            if attr == "weight_scale" and not (torch.isfinite(tensor).all() and (tensor >= 0).all()):
-                raise CheckpointError(f"{weight_map[key]} is corrupt: {key} holds negative or non-finite scales.")
+            if attr == "weight_scale":
+                _check_scales(weight_map[key], key, tensor, inputs)
             getattr(module, attr).copy_(tensor)
         model.set_submodule(name, module.to(device))
+
+
+def _check_scales(filename: str, key: str, scale: torch.Tensor, in_features: int) -> None:
+    """`scale` (int8 scales of rows of `in_features` inputs, read from `filename`) is sound (`bad_scales`)."""
+    bad = bad_scales(scale, in_features)
+    if bad:
+        raise CheckpointError(
+            f"{filename} is corrupt: {key} holds {bad} NaN, infinite, negative or too large scale(s) (at most "
+            f"{scale_limit(in_features):.3g} for rows of {in_features} inputs), which compute non-finite outputs. "
+            "Restore the file, or quantize the model again from finite weights and save it."
+        )

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from ..configuration import _FIELD_TYPES, MoEConfig, _brief, _cut
 from ..convert.adapters import find_mlp
+from ..ops.int8 import bad_scales, scale_limit
 from ..version import __version__
 from .format import (
     CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHMS, EXPERT_KEY, INDEX_NAME, MAX_INDEX_BYTES, SAFETENSORS_DTYPES,
@@ -352,17 +353,33 @@ def check_routers(directory: Path, weight_map: dict[str, str], expected: dict, c
 
 
 def check_int8_scales(directory: Path, weight_map: dict[str, str]) -> None:
-    """The scales of int8 experts (`...experts.{e}.<weight>_scale`, `hf_moe.quantize`) are finite and >= 0: a NaN,
-    infinite or negative scale computes non-finite or sign-flipped outputs wherever its expert is picked. Scales are
-    small (one per output channel or group: 1/H of the int8 weights' bytes, times 4)."""
-    keys = [key for key in weight_map if (match := EXPERT_KEY.match(key)) and match["name"].endswith("_scale")]
+    """The scales of int8 experts (`...experts.{e}.<weight>_scale`, `hf_moe.quantize`) and int8 linear layers
+    (`<layer>.weight_scale`) are finite, >= 0 and within `scale_limit` of their rows' inputs: a NaN, infinite, negative
+    or huge scale computes non-finite or sign-flipped outputs wherever it is used. Scales are small (one per output
+    channel or group: 1/H of the int8 weights' bytes, times 4); the inputs per row come from the weights' headers."""
+    keys = [key for key in weight_map
+            if ((match := EXPERT_KEY.match(key)) and match["name"].endswith("_scale"))
+            or (key.endswith(".weight_scale") and key.removesuffix("_scale") in weight_map)]
+    headers = {}
+
+    def inputs(key: str) -> int:  # the last dimension of the int8 weight the scales belong to, from its header
+        weight = key.removesuffix("_scale")
+        filename = weight_map.get(weight)
+        if filename is None:  # (a missing weight is named by the checks of keys)
+            return 1
+        if filename not in headers:
+            headers[filename] = read_header(directory, filename, INDEX_NAME)[0]
+        return (headers[filename].get(weight, {}).get("shape") or [1])[-1]
+
     for filename, key, scale in _read_tensors(directory, weight_map, keys):
-        good = torch.isfinite(scale) & (scale >= 0) if scale.is_floating_point() else None
-        if good is not None and not bool(good.all()):
+        in_features = inputs(key)
+        bad = bad_scales(scale, in_features) if scale.is_floating_point() else 0
+        if bad:
             raise CheckpointError(
-                f"{filename}: the int8 scales {key} hold {int((~good).sum())} NaN, infinite or negative value(s) "
-                f"of {scale.numel()}: the expert would compute non-finite or sign-flipped outputs. The file is "
-                "damaged, or the model was quantized from non-finite weights: quantize and save it again."
+                f"{filename}: the int8 scales {key} hold {bad} NaN, infinite, negative or too large value(s) of "
+                f"{scale.numel()} (at most {scale_limit(in_features):.3g} for rows of {in_features} inputs): the "
+                "layer would compute non-finite or sign-flipped outputs. The file is damaged, or the model was "
+                "quantized from non-finite weights: quantize and save it again."
             )
 
 

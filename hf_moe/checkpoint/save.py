@@ -17,7 +17,9 @@ from tqdm.auto import tqdm
 from ..compat import convert_file_size_to_int
 from ..layers.adapter_experts import trained_state_dict
 from ..layers.quantized import QuantizedExperts
+from ..layers.quantized_linear import QuantizedLinear
 from ..model_card import render_model_card
+from ..ops.int8 import bad_scales, scale_limit
 from .checksums import checksum_files, config_checksums
 from .commit import commit, discard, nested_directories, new_staging, resolve_output_directory, staging_directory
 from .format import (
@@ -91,19 +93,26 @@ def _check_not_over_base(model, target: Path) -> None:
 
 
 def _check_int8_scales(model) -> None:
-    """The scales of int8 experts (`hf_moe.quantize_experts`) are finite and >= 0, or nothing is written: a NaN, an
-    infinity or a negative scale computes non-finite (or sign-flipped) outputs wherever its expert is picked, and every
-    load refuses it. They come from quantizing experts whose weights were not finite (a diverged run)."""
+    """The scales of int8 experts and linear layers (`hf_moe.quantize_experts`) are sound (finite, >= 0, within
+    `scale_limit`), or nothing is written: a NaN, an infinity or a negative scale computes non-finite (or sign-flipped)
+    outputs wherever it is used, and every load refuses it. They come from quantizing weights that were not finite (a
+    diverged run)."""
     for name, module in model.named_modules():
-        if not isinstance(module, QuantizedExperts):
+        if isinstance(module, QuantizedExperts):
+            scales = [(n, b, getattr(module, n.removesuffix("_scale")).shape[-1])
+                      for n, b in module.named_buffers(recurse=False) if n.endswith("_scale")]
+        elif isinstance(module, QuantizedLinear):
+            scales = [("weight_scale", module.weight_scale, module.in_features)]
+        else:
             continue
-        for buffer_name, scale in module.named_buffers(recurse=False):
-            bad = int((~(torch.isfinite(scale) & (scale >= 0))).sum()) if buffer_name.endswith("_scale") else 0
+        for buffer_name, scale, in_features in scales:
+            bad = bad_scales(scale, in_features)
             if bad:
                 raise ValueError(
-                    f"{name}.{buffer_name} holds {bad} NaN, infinite or negative int8 scale(s) of {scale.numel()}: "
-                    "the experts were quantized from weights that were not finite (or the scales were edited). "
-                    "Nothing was written. Quantize a model with finite expert weights (an earlier checkpoint)."
+                    f"{name}.{buffer_name} holds {bad} NaN, infinite, negative or too large int8 scale(s) of "
+                    f"{scale.numel()} (at most {scale_limit(in_features):.3g} for rows of {in_features} inputs): the "
+                    "weights were quantized from values that were not finite (or the scales were edited). Nothing "
+                    "was written. Quantize a model with finite weights (an earlier checkpoint)."
                 )
 
 

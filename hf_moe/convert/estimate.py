@@ -1,8 +1,8 @@
 """What a conversion will need, estimated before any work from the dense model and its first MLP: the MoE checkpoint's
 bytes and files on disk, and the host memory an in-memory conversion adds. What cannot fit (the free space and free
 inodes of OUT's filesystem, the memory available) is refused with the numbers, before a byte is written: 100000
-experts of a tiny model would otherwise stream 22 GB in 100,004 files, and `--in-memory` grow until the machine
-swaps. `HF_MOE_SKIP_SIZE_CHECK=1` goes ahead regardless (a filesystem that compresses, a quota the numbers do not
+experts of a tiny model would otherwise stream tens of GB in a file per expert, and `--in-memory` grow until the
+machine swaps. `HF_MOE_SKIP_SIZE_CHECK=1` goes ahead regardless (a filesystem that compresses, a quota the numbers do not
 show).
 
 The estimate is the tensors' bytes (the expert sizes are `api._expert_sizes`', so upcycling, splitting and shared
@@ -17,7 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-SKIP_VARIABLE = "HF_MOE_SKIP_SIZE_CHECK"
+from ..memory import SKIP_VARIABLE, available_memory, format_bytes, size_check_skipped
+
 _SMALL_FILES = 6  # config, generation config, index, model card, auto_map shim, a tokenizer file or two
 
 
@@ -70,7 +71,7 @@ def check_disk(out, size: ConversionSize | int, files: int | None = None) -> Non
     """Refuse (`ValueError`, with the numbers) an output of `size` (bytes, or a `ConversionSize`) and `files` files
     that the filesystem OUT will be on cannot hold: the whole new checkpoint is written before the old one (if any) is
     removed, so it must fit in the free space."""
-    if _skipped():
+    if size_check_skipped():
         return
     if isinstance(size, ConversionSize):
         size, files, what = size.output_bytes, size.files, f" ({size.describe()})"
@@ -91,7 +92,7 @@ def check_disk(out, size: ConversionSize | int, files: int | None = None) -> Non
 def check_memory(size: ConversionSize, streaming_hint: str) -> None:
     """Refuse (`ValueError`, with the numbers) an in-memory conversion whose MoE model would need more memory than is
     available."""
-    if _skipped():
+    if size_check_skipped():
         return
     available = available_memory()
     if available is not None and size.added_bytes > available:
@@ -109,44 +110,7 @@ def free_space(where: Path) -> tuple[int, int | None]:
     return shutil.disk_usage(where).free, stats.f_favail if stats is not None and stats.f_files else None
 
 
-def available_memory() -> int | None:
-    """Bytes of memory this process may still take: the kernel's MemAvailable, or less under a cgroup (v2) limit;
-    None where neither can be read."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:  # (not a checkpoint's file)
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            room = max(int(limit) - used, 0)
-            available = room if available is None else min(available, room)
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def format_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
-
-
 def _existing_ancestor(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
-
-
-def _skipped() -> bool:
-    return os.environ.get(SKIP_VARIABLE, "").strip().lower() in ("1", "true", "yes")

@@ -31,6 +31,7 @@ triton-tests, sanitizer).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -69,13 +70,25 @@ def _versions() -> str:
     return ", ".join(found)
 
 
+def _seconds(text: str) -> float:
+    """`--budget`'s value: a finite number of seconds above 0. NaN would make every step's limit NaN, and a wait with a
+    NaN timeout never times out: a hung step, the case the runner exists for, would never be killed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 420)") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds above 0 (e.g. 420)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_moe.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check",
                         help="where report.md, results.json and logs.txt go (default: gpu_check)")
     parser.add_argument("--smoke", action="store_true", help="CPU tensors, TRITON_INTERPRET=1, tiny shapes (CI)")
-    parser.add_argument("--budget", type=float, default=None,
+    parser.add_argument("--budget", type=_seconds, default=None,
                         help=f"seconds for the whole run (default {BUDGET:.0f}; {SMOKE_BUDGET:.0f} with --smoke)")
     parser.add_argument("--steps", default=None,
                         help="comma-separated keys of the steps to run (default: all): "
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else (SMOKE_BUDGET if args.smoke else BUDGET)
     least = sum(s.least for s in specs)
     if budget < least:  # else the first steps (the environment, which decides whether any can run) are skipped
-        parser.error(f"--budget {budget:.0f} is under the {least:.0f} s that the steps need at least ("
+        parser.error(f"--budget {budget:g} is under the {least:.0f} s that the steps need at least ("
                      + ", ".join(f"{s.key} {s.least:.0f}" for s in specs) + "): give more, or fewer --steps")
     env = {**os.environ}
     env.setdefault("HF_MOE_BACKEND", "triton")  # never builds the C++ extension (not needed: no CPU kernels run)
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         env.pop("TRITON_INTERPRET", None)
     context = dict(mode="--smoke (CPU tensors, TRITON_INTERPRET=1, tiny shapes)" if args.smoke else "GPU",
-                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), versions=_versions(), budget=f"{budget:.0f} s",
+                   started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), versions=_versions(), budget=f"{budget:g} s",
                    HF_MOE_BACKEND=env["HF_MOE_BACKEND"])
     report = Report(Path(args.out), "hf_moe gpu_check", context)
 

@@ -19,6 +19,7 @@ a step whose limit falls under its own `least` is skipped, saying so. A step wit
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -59,6 +60,8 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
     """Run each spec in a child within `budget` seconds, adding its Step to `report` (written after each).
     `stop_after(step)`: True to skip the remaining steps (said so in each). `numbers`: the steps' numbers in the
     report (default 1, 2, ...)."""
+    if not 0 < budget < math.inf:  # (NaN too: a NaN limit would never time out, and a hung step would stay)
+        raise ValueError(f"budget must be a finite number of seconds above 0, got {budget!r}.")
     deadline = time.monotonic() + budget
     stopped = ""
     (report.out / "logs.txt").write_text("")  # this run's output only
@@ -68,7 +71,7 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
             left = deadline - time.monotonic()
             limit = plan_limit(specs, index, left, scale)
             if stopped or limit < spec.least:
-                why = stopped or (f"{max(left, 0):.0f} s of the {budget:.0f} s budget left, less what the later steps "
+                why = stopped or (f"{max(left, 0):.0f} s of the {budget:g} s budget left, less what the later steps "
                                   f"need: {max(limit, 0):.0f} s for this step, which needs at least {spec.least:.0f}")
                 step = Step(number, spec.name, SKIPPED, f"skipped: {why}")
             else:

@@ -28,8 +28,9 @@ import torch
 from transformers.activations import ACT2FN
 
 from ..layers.quantized import QuantizedExperts
+from ..memory import SKIP_VARIABLE, free_memory, size_check_skipped
 from ..ops import experts_forward
-from .budget import expert_slots
+from .budget import expert_slots, format_size
 from .fetch import CudaStreamFetcher, ThreadFetcher
 from .policy import DEFAULT_POLICY, CachePolicy, make_policy
 from .slots import SlotTable
@@ -85,8 +86,8 @@ class ExpertCache:
             `CachePolicy`.
         prefetch: fetch the experts the next layer's router predicts while a layer computes. None (default): on
             for a GPU cache (copies on a side stream use the copy engine, not the compute), off for a CPU cache,
-            where a read is a memcpy on the cores that compute: measured on this project's 2-core CPU machine,
-            prefetching there halved decode speed (its wrong guesses are extra reads; README, benchmarks/offload.py).
+            where a read is a memcpy on the cores that compute and its wrong guesses are extra reads: there prefetching
+            slowed decoding (docs/offload.md, benchmarks/offload.py).
         fetcher_class: how reads reach the slots (default: `ThreadFetcher` on CPU, `CudaStreamFetcher` on CUDA).
     Attributes:
         stats: `CacheStats` (hit rate, prefetch accuracy, bytes read, time waited).
@@ -147,6 +148,14 @@ class ExpertCache:
         expert_bytes = self.layout.expert_bytes(dtype)
         total = self.layout.num_layers * self.layout.num_experts
         slots = expert_slots(self.budget, expert_bytes, self.layout.top_k, total)
+        room = None if size_check_skipped() else free_memory(device)
+        if room is not None and slots * expert_bytes > room:  # (a CUDA pool is taken at once; a CPU one as it fills)
+            raise ValueError(
+                f"max_expert_memory={format_size(self.budget)} makes a cache of {slots} expert(s) of "
+                f"{format_size(expert_bytes)}: {format_size(slots * expert_bytes)}, but {format_size(room)} of memory "
+                f"is free on {device}. Give a smaller max_expert_memory; or, if you know it fits, set "
+                f"{SKIP_VARIABLE}=1."
+            )
         self.device, self.dtype = device, dtype
         self.prefetch = device.type == "cuda" if self.prefetch_setting is None else self.prefetch_setting
         self.pool = {

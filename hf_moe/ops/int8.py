@@ -45,6 +45,24 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[
     return q.reshape(weight.shape), scale.contiguous()
 
 
+def scale_limit(in_features: int) -> float:
+    """The largest sound int8 scale of a row of `in_features` inputs: 127 * scale * in_features <= the fp32 maximum.
+
+    A row's dequantized weights are at most 127 * scale each, and the kernels sum in_features of their products with
+    the activations in fp32: past this limit, inputs of magnitude 1 already overflow to infinity. Scales quantized
+    from finite weights are many orders of magnitude below it (max |w| / 127); one above it was edited, or quantized
+    from weights that had diverged.
+    """
+    return torch.finfo(torch.float32).max / (QMAX * max(int(in_features), 1))
+
+
+def bad_scales(scale: torch.Tensor, in_features: int) -> int:
+    """How many values of `scale` (int8 scales of rows of `in_features` inputs) are NaN, infinite, negative or above
+    `scale_limit(in_features)` (0 for a sound tensor)."""
+    good = (scale >= 0) & (scale <= scale_limit(in_features))  # (NaN fails both)
+    return int((~good).sum())
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * scale as `dtype` (computed in fp32, then cast): [..., out, K]."""
     if scale.dim() == q.dim():  # grouped
