@@ -72,14 +72,14 @@ def _parser() -> argparse.ArgumentParser:
                          "by tensor and check every MoE block against its MLP)")
     convert.add_argument("--max-shard-size", default="5GB")
 
-    # merge (issue 21): several dense fine-tunes of one base -> one MoE; hf_moe/convert/merge.py
+    # merge: several dense fine-tunes of one base -> one MoE; hf_moe/convert/merge.py
     merge = sub.add_parser("merge", help="merge dense fine-tunes of one base model into one MoE (a mergekit-moe "
                            "YAML, with hf_moe's fields beside mergekit's; see docs/merging.md)")
     merge.add_argument("config", help="the merge recipe (YAML)")
     merge.add_argument("out", help="output directory")
     merge.add_argument("--max-shard-size", default="5GB")
 
-    # shrink (issue 31): fewer experts after training; hf_moe/shrink/
+    # shrink: fewer experts after training; hf_moe/shrink/
     shrink = sub.add_parser("shrink", help="keep fewer experts per MoE layer (pruning or merging, with calibration "
                             "text), for hf_moe and transformers' own MoE checkpoints; see docs/shrinking.md")
     shrink.add_argument("model", help="an hf_moe checkpoint, or a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE directory")

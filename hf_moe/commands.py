@@ -157,7 +157,7 @@ def _inspect(args) -> None:
     config, summary, tokens = routing_summary(directory, args.data, max_tokens=args.max_tokens)
     print()
     print(format_routing(config, summary, tokens))
-    if len(args.data) > 1:  # several domains (issue 21): which expert each domain's tokens go to
+    if len(args.data) > 1:  # several domains (merged models): which expert each domain's tokens go to
         from .inspect import domain_routing, format_domain_routing
 
         print()
@@ -171,7 +171,7 @@ def _inspect(args) -> None:
 
 
 def _merge(args) -> None:
-    """`hf-moe merge CONFIG OUT` (issue 21): the work is hf_moe/convert/merge.py's."""
+    """`hf-moe merge CONFIG OUT` (docs/merging.md): the work is hf_moe/convert/merge.py's."""
     from .convert.merge import merge_to_moe
 
     start = time.perf_counter()
@@ -190,7 +190,7 @@ def _merge(args) -> None:
 
 
 def _shrink(args) -> None:
-    """`hf-moe shrink MODEL OUT --keep N` (issue 31): the work is hf_moe/shrink/'s."""
+    """`hf-moe shrink MODEL OUT --keep N` (docs/shrinking.md): the work is hf_moe/shrink/'s."""
     import warnings
 
     from .shrink import shrink

@@ -1,4 +1,4 @@
-"""Adapter experts (issue 30): conversion options, blocks built from a dense MLP, the reference to the base checkpoint,
+"""Adapter experts: conversion options, blocks built from a dense MLP, the reference to the base checkpoint,
 and loading a saved adapter-expert checkpoint back onto its base.
 
 The layer is `hf_moe.layers.adapter_experts.AdapterExperts`. A checkpoint holds only what was trained (routers,
