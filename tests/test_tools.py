@@ -438,3 +438,21 @@ def test_pipeline_text_generation_in_a_fresh_process(saved, tmp_path):
     """)
     model = MoEForCausalLM.from_pretrained(saved).eval()
     assert json.loads(out.read_text()) == _greedy(model, tiny_tokenizer(), "the quick", 8)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_the_tokenizer_loads_without_a_question_in_a_fresh_process(saved):
+    """The ways docs/tools.md gives to load only the tokenizer where hf_moe was not imported ask nothing and warn
+    nothing (stdin closed: a question would fail). A plain `AutoTokenizer.from_pretrained(dir)` asks, as for every
+    checkpoint with custom code: transformers reads config.json's auto_map first."""
+    code = textwrap.dedent(f"""
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        a = AutoTokenizer.from_pretrained({str(saved)!r}, trust_remote_code=True)
+        b = PreTrainedTokenizerFast.from_pretrained({str(saved)!r})
+        print(a("the fox").input_ids == b("the fox").input_ids)
+    """)
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-3000:]
+    assert "custom code" not in result.stderr and "warn" not in result.stderr.lower(), result.stderr[-3000:]

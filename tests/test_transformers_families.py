@@ -227,7 +227,8 @@ def test_family_on_hf_moe_experts_matches_its_default_experts(model_type, count_
         if want is None:
             assert param.grad is None, name
             continue
-        torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{model_type} {name}: {m}")
+        torch.testing.assert_close(param.grad, want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{model_type} {name}: {m}")
 
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():

@@ -152,8 +152,7 @@ def build_estimate(ext_dir: Path) -> str:
     """How long a build will take, in words, as a range: from the compiles' CPU time (`compile_cpu_seconds`) spread
     over the cores ninja can use when they are idle, to that stretched by the machine's load ((load + cores) / cores,
     at least twice: other processes take cores while it builds); or what the last build on this machine took (another
-    hash's, in `ext_dir`). Either way it says that a loaded machine takes longer: the same build took 45 s on two
-    idle cores and 3 to 8 minutes on those cores shared with other jobs."""
+    hash's, in `ext_dir`). Either way it says that a loaded machine takes longer (docs/backends.md: measured builds)."""
     done = sorted((p.stat().st_mtime, p) for p in ext_dir.glob(f"*/{BUILT}"))
     for _, path in reversed(done):
         try:
