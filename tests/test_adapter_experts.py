@@ -305,6 +305,7 @@ def test_trl_sft_trainer_trains_lora_experts(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # Checkpoints: only what was trained, a base checked by fingerprint; materialize; export
 # --------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_save_load_materialize_export_give_the_same_logits(dense_dir, tmp_path):
     ids = random_ids(2, 16)
     model = _randomize_adapters(convert_to_moe(dense_dir, num_experts=4, top_k=2, method="lora", rank=4)).eval()

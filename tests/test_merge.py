@@ -254,6 +254,7 @@ def test_a_stored_tensor_of_another_shape_is_refused_before_any_weight(sources, 
 
 
 # ---------------------------------------------------------------------------------------------------- streaming
+@pytest.mark.slow
 def test_merge_reads_one_tensor_of_one_source_at_a_time(tmp_path, monkeypatch):
     """What a merge holds of its sources at once: at most one MLP (three projections) of one layer of one source,
     whatever the number of sources and layers."""
@@ -311,6 +312,7 @@ def test_peak_memory_of_a_merge_is_a_fraction_of_one_source(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- export
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type, fields, architecture",
     [

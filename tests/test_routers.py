@@ -39,6 +39,7 @@ def _train(moe, tmp_path, steps=12, **kwargs):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("router_type", sorted(ROUTER_TOP_K))
 def test_every_router_trains_and_round_trips(router_type, tmp_path):
     moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=ROUTER_TOP_K[router_type], router_type=router_type)

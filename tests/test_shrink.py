@@ -155,6 +155,7 @@ def test_random_is_the_seeded_baseline_and_top_k_is_lowered_and_said(moe_dir, tm
     assert model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False).shape == (1, 7)
 
 
+@pytest.mark.slow
 def test_the_cli_shrinks_and_reports(moe_dir, calib, tmp_path, capsys):
     assert cli(["shrink", moe_dir, str(tmp_path / "out"), "--keep", "3", "--method", "merge", "--data", calib]) == 0
     printed = capsys.readouterr().out
@@ -263,6 +264,7 @@ def _calibration_loss(model, calib, tokenizer) -> float:
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["hf_moe", *sorted(NATIVE)])
 def test_the_loss_search_reports_the_loss_of_what_it_writes_and_beats_reconstruction_there(calib, tmp_path, kind):
     """Method loss: each layer keeps one of reconstruction's best subsets, by the model's calibration loss with the
@@ -405,6 +407,7 @@ def test_a_classifier_checkpoint_stays_a_classifier(calib, tmp_path):
         hf_moe.shrink(tmp_path / "cls", tmp_path / "out2", 2, "loss", calib, progress=False)
 
 
+@pytest.mark.slow
 def test_an_aux_free_router_keeps_its_saved_bias(calib, tmp_path):
     """The selection bias is a buffer, not a parameter: it is read from the checkpoint, used, and cut with the rows."""
     torch.manual_seed(0)
