@@ -268,7 +268,7 @@ def test_dispatch_on_cuda_is_chosen_per_device_and_dtype(monkeypatch):
     chosen = []
     monkeypatch.setattr(backend, "_chosen", {})
     monkeypatch.setattr(backend, "_variants", {})
-    monkeypatch.setattr(backend, "_choose", lambda where: chosen.append(where) or
+    monkeypatch.setattr(backend, "_choose", lambda setting, where: chosen.append(where) or
                         ("triton" if where[2] == torch.bfloat16 else "torch"))
     monkeypatch.setattr(backend, "_variant", lambda name, device_type, activation: (name, device_type, activation))
     cuda = torch.device("cuda", 0)
