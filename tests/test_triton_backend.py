@@ -229,29 +229,32 @@ def test_cuda_default_is_triton_for_bf16_on_sm90(monkeypatch):
     or where Triton cannot run. The GPU is faked: none here."""
     import hf_moe.ops.backend as backend
 
+    def choose(where):  # as dispatch does: the setting of HF_MOE_BACKEND at the call
+        return backend._choose(os.environ["HF_MOE_BACKEND"], where)
+
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setattr(backend, "_triton_status", lambda device_type: (True, "faked sm90"))
     for setting in ("auto", "compiled"):
         monkeypatch.setenv("HF_MOE_BACKEND", setting)
-        assert backend._choose(("cuda", 0, torch.bfloat16)) == "triton"
+        assert choose(("cuda", 0, torch.bfloat16)) == "triton"
         assert "bf16 on sm90" in backend.cuda_default(0, torch.bfloat16)[1]
         assert backend.backend_report()["experts on CUDA, bf16"][0].startswith("triton kernels")
         for dtype in (torch.float32, torch.float16, None):
-            assert backend._choose(("cuda", 0, dtype)) == "torch"
+            assert choose(("cuda", 0, dtype)) == "torch"
         assert backend.backend_report()["experts on CUDA, other"][0].startswith("torch ops")
         for capability[0] in [(8, 0), (10, 0), (12, 0)]:  # A100; B200 and newer (grouped_mm's weight gradients)
-            assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
+            assert choose(("cuda", 0, torch.bfloat16)) == "torch"
             assert f"bfloat16 on sm{capability[0][0]}0" in backend.cuda_default(0)[1]
         capability[0] = (9, 0)
     monkeypatch.setenv("HF_MOE_BACKEND", "torch")
-    assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
+    assert choose(("cuda", 0, torch.bfloat16)) == "torch"
     monkeypatch.setenv("HF_MOE_BACKEND", "triton")
-    assert backend._choose(("cuda", 0, torch.float32)) == "triton"
+    assert choose(("cuda", 0, torch.float32)) == "triton"
     monkeypatch.setenv("HF_MOE_BACKEND", "auto")
     monkeypatch.setattr(backend, "_triton_status", lambda device_type: (False, "triton is not installed"))
-    assert backend._choose(("cuda", 0, torch.bfloat16)) == "torch"
+    assert choose(("cuda", 0, torch.bfloat16)) == "torch"
     assert "Triton cannot run here (triton is not installed)" in backend.cuda_default(0)[1]
     with pytest.raises(RuntimeError, match="cannot run on cuda tensors: triton is not installed"):
         backend._variant("triton", "cuda", "silu")
