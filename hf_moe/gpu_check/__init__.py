@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from .record import FAILED, Report
+from .record import Report
 from .runner import StepSpec, run_steps
 
 STEPS = [
@@ -122,12 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0, stop_after=cannot_run,
               numbers=[STEPS.index(spec) + 1 for spec in specs])  # a step keeps its number when others are left out
-    failed = [f"{s.number}. {s.name}" for s in report.steps if s.status == FAILED]
-    for step, op, err in report.fallbacks():
-        print(f"[gpu_check] Triton op {op} fell back to torch in step {step.number} ({step.name}): {err}", flush=True)
-    print(f"[gpu_check] {'passed' if report.passed else 'FAILED: ' + ', '.join(failed)}; see "
-          f"{report.out / 'report.md'}", flush=True)
-    return 0 if report.passed else 1
+    return report.conclude("gpu_check")
 
 
 if __name__ == "__main__":

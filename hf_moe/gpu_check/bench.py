@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import _versions
 from .main_job import WORK_ENV
-from .record import FAILED, Report
+from .record import Report
 from .runner import StepSpec, run_steps
 
 STEPS = [
@@ -125,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads((report.out / "results.json").read_text()) if (report.out / "results.json").is_file() \
             else {}
         (report.out / "backends_table.md").write_text(backends_table(results))
-    failed = [f"{s.number}. {s.name}" for s in report.steps if s.status == FAILED]
-    for step, op, err in report.fallbacks():
-        print(f"[gpu_bench] Triton op {op} fell back to torch in step {step.number} ({step.name}): {err}", flush=True)
-    print(f"[gpu_bench] {'passed' if report.passed else 'FAILED: ' + ', '.join(failed)}; see "
-          f"{report.out / 'report.md'}", flush=True)
-    return 0 if report.passed else 1
+    return report.conclude("gpu_bench")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,18 @@ class Report:
         """(step, op, error) of every Triton op that fell back to torch, in any step."""
         return [(s, op, err) for s in self.steps for op, err in s.fell_back.items()]
 
+    def failed(self) -> list[str]:
+        """"N. name" of every step that failed."""
+        return [f"{s.number}. {s.name}" for s in self.steps if s.status == FAILED]
+
+    def conclude(self, tag: str) -> int:
+        """Prints each fallback and the verdict, prefixed `[tag]`; returns the exit code (0 passed, 1 failed)."""
+        for step, op, err in self.fallbacks():
+            print(f"[{tag}] Triton op {op} fell back to torch in step {step.number} ({step.name}): {err}", flush=True)
+        print(f"[{tag}] {'passed' if self.passed else 'FAILED: ' + ', '.join(self.failed())}; see "
+              f"{self.out / 'report.md'}", flush=True)
+        return 0 if self.passed else 1
+
     def write(self) -> None:
         results = dict(title=self.title, **self.context, passed=self.passed, written=time.strftime("%H:%M:%S"),
                        steps=[s.to_dict() for s in self.steps])
@@ -85,7 +97,7 @@ class Report:
         lines = [f"# {self.title}", ""]
         lines += [f"- {key}: {value}" for key, value in self.context.items()]
         lines += [f"- verdict: {'passed' if self.passed else 'FAILED'}" + ("" if self.passed else
-                  f" ({', '.join(f'{s.number}. {s.name}' for s in self.steps if s.status == FAILED)})")]
+                  f" ({', '.join(self.failed())})")]
         lines += ["", "| step | status | seconds (limit) | summary |", "| --- | --- | --- | --- |"]
         lines += [f"| {s.number}. {s.name} | {s.status} | {s.seconds:.0f} ({s.limit:.0f}) | "
                   f"{s.summary.replace('|', '/')} |" for s in self.steps]
