@@ -247,3 +247,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("counts")
         for line in _COUNT_LINES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Every plan of the one-op decode step built (one per model, and again when its weights change), each counting
+    its calls: a list that fills as plans are made."""
+    import hf_moe.decode_native
+
+    made = []
+
+    class Recording(hf_moe.decode_native.DecodePlan):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = 0
+            made.append(self)
+
+        def __call__(self, *args):
+            self.calls += 1
+            return super().__call__(*args)
+
+    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
+    return made

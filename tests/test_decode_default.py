@@ -22,7 +22,7 @@ from transformers import CompileConfig, DynamicCache, pipeline
 
 import hf_moe
 from hf_moe.decode import choose_decode
-from hf_moe.decode_native import PLAN, DecodePlan
+from hf_moe.decode_native import PLAN
 from hf_moe.generation import decode_compile_config, prepare_generate_kwargs
 
 from conftest import random_ids, tiny_dense, tiny_tokenizer
@@ -61,29 +61,15 @@ def assert_same(eager, fast, dtype):
 
 
 @pytest.fixture
-def plans(monkeypatch):
-    """Every plan of the one-op step built, each counting its calls; torch.compile refused (nothing may compile)."""
+def plans(plans, monkeypatch):
+    """conftest's plans, with torch.compile refused (nothing may compile)."""
     import hf_moe.decode
-    import hf_moe.decode_native
-
-    made = []
-
-    class Recording(DecodePlan):
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.calls = 0
-            made.append(self)
-
-        def __call__(self, *args):
-            self.calls += 1
-            return super().__call__(*args)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the plain call compiled something")
 
-    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
     monkeypatch.setattr(hf_moe.decode.torch, "compile", refuse)
-    return made
+    return plans
 
 
 @pytest.mark.parametrize("experts", ["int8", "plain"])

@@ -47,28 +47,6 @@ def greedy(model, ids, new_tokens, mask=None, **kwargs):
                           output_scores=True, **kwargs)
 
 
-@pytest.fixture
-def plans(monkeypatch):
-    """Every plan of the one-op step built (one per model, and again when its weights change), each counting its
-    calls."""
-    import hf_moe.decode_native
-
-    made = []
-
-    class Recording(DecodePlan):
-        def __init__(self, *args):
-            super().__init__(*args)
-            self.calls = 0
-            made.append(self)
-
-        def __call__(self, *args):
-            self.calls += 1
-            return super().__call__(*args)
-
-    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
-    return made
-
-
 def one_op_step(model):
     """The fused step `generate` will use, with its compiled program replaced by one that fails: only the one-op
     step may run."""
