@@ -209,7 +209,7 @@ def size_check(repeats: int, work: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_moe import convert_checkpoint
-    from hf_moe.convert.adapters import extract_mlp, find_decoder_layers, find_mlp
+    from hf_moe.dense_mlp import extract_mlp, find_decoder_layers, find_mlp
     from hf_moe.convert.api import _expert_sizes
     from hf_moe.convert.estimate import check_disk, estimate_conversion
 

@@ -7,9 +7,9 @@ Importing the package registers the `hf_moe` model type with transformers' Auto 
 from . import auto
 from .checkpoint import CheckpointError
 from .configuration import MoEConfig
-from .convert.adapters import NoMLPFoundError
 from .convert.api import convert_to_moe
 from .convert.stream import StreamingUnsupported, convert_checkpoint
+from .dense_mlp import NoMLPFoundError
 from .export import NativeExport, NativeExportError, export_native
 from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
 from .losses import load_balancing_loss, router_z_loss

@@ -20,10 +20,10 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MoeModelOutputWithPast
 
 from .checkpoint import CheckpointError, validate_checkpoint
+from .checkpoint.adapter_experts import is_adapter_checkpoint
 from .compat import register_output_recording
 from .configuration import MoEConfig, moe_config_class
-from .convert.adapter_experts import is_adapter_checkpoint
-from .convert.adapters import find_decoder_layers
+from .dense_mlp import find_decoder_layers
 from .layers import RouterOutput, SparseMoeBlock
 from .layers.dense_keys import warn_on_replaced_mlp_keys
 from .layers.router import AuxFreeRouter

@@ -37,11 +37,11 @@ from .checkpoint import (
     HUB_KWARGS, local_expert_view, missing_keys_error, recover_interrupted_commit, resolve_checkpoint, save_checkpoint,
     validate_checkpoint, reading as checkpoint_reading,  # (hf_moe/checkpoint/snapshot.py)
 )
+from .checkpoint.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .compat import (
     MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
 )
 from .configuration import MoEConfig, _base_config_class, check_layout_kwargs, moe_config_class
-from .convert.adapter_experts import is_adapter_checkpoint, load_adapter_model
 from .decode import decode_step, reset_decode_steps
 from .generation import DecodeCompileConfig, prepare_generate_kwargs
 from .layers import SparseMoeBlock

@@ -16,7 +16,7 @@ from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 from transformers.activations import ACT2FN
 
 from hf_moe import MoEForCausalLM, NoMLPFoundError, convert_to_moe
-from hf_moe.convert.adapters import activation_name
+from hf_moe.dense_mlp import activation_name
 from hf_moe.ops import _KERNEL_NAMES
 from hf_moe.ops.reference import KERNEL_ACTIVATIONS
 from hf_moe.routing import moe_blocks

@@ -223,7 +223,7 @@ def test_a_conversion_larger_than_the_free_space_or_memory_is_refused(dense_sour
 def test_the_size_estimate_matches_what_is_written(dense_sources, tmp_path):
     """The estimate (bytes, files) against the checkpoint a conversion writes: within 1% of its tensors' bytes
     (headers, index, config and card are the rest), and its file count."""
-    from hf_moe.convert.adapters import extract_mlp, find_decoder_layers, find_mlp
+    from hf_moe.dense_mlp import extract_mlp, find_decoder_layers, find_mlp
     from hf_moe.convert.api import _expert_sizes
     from hf_moe.convert.estimate import estimate_conversion
 

@@ -14,7 +14,7 @@ import torch
 from conftest import random_ids, tiny_dense
 
 from hf_moe import MoEForCausalLM, convert_to_moe
-from hf_moe.convert.adapter_experts import base_fingerprint
+from hf_moe.checkpoint.adapter_experts import base_fingerprint
 from hf_moe.layers.adapter_experts import AdapterExperts
 
 peft = pytest.importorskip("peft")

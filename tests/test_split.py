@@ -7,7 +7,7 @@ import torch
 from conftest import CORPUS, random_ids, tiny_dense, tiny_tokenizer
 
 from hf_moe import MoEForCausalLM, convert_to_moe
-from hf_moe.convert.adapters import DenseMLP, extract_mlp, find_mlp
+from hf_moe.dense_mlp import DenseMLP, extract_mlp, find_mlp
 from hf_moe.convert.split import balanced_kmeans, partition
 from hf_moe.layers.router import unit_weights
 
@@ -187,7 +187,7 @@ def test_bad_options_are_clear_errors(kwargs, message, tmp_path):
 
 
 def _intermediate(dense) -> int:
-    from hf_moe.convert.adapters import find_decoder_layers
+    from hf_moe.dense_mlp import find_decoder_layers
 
     layer = find_decoder_layers(dense)[1][0]
     return extract_mlp(layer, find_mlp(layer), dense.config).intermediate_size

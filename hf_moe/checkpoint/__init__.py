@@ -14,6 +14,8 @@ load and verify. Each module does one of these; this package re-exports what the
     load.py        `validate_checkpoint` (`validate_files`: its checks that need no model), the views of a directory
                    for expert-parallel and offloaded loads, `load_checkpoint`
     verify.py      `verify_checkpoint` (`hf-moe verify`), `record_config_files` (`hf-moe verify --update`)
+    adapter_experts.py  an adapter-experts checkpoint (LoRA or PESC experts): the block on a dense MLP, its base
+                   found and checked, the checkpoint loaded onto it (imported where used, not re-exported)
 """
 
 from .checks import checkpoint_config, expected_tensors, read_index

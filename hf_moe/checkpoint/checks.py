@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..configuration import _FIELD_TYPES, MoEConfig, _brief, _cut
-from ..convert.adapters import find_mlp
+from ..dense_mlp import find_mlp
 from ..ops.int8 import bad_scales, scale_limit
 from ..version import __version__
 from .format import (

@@ -15,18 +15,16 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
 from ..checkpoint import CheckpointError, load_tokenizer, read_bytes
+from ..checkpoint.adapter_experts import adapter_block, base_reference, freeze_base
 from ..compat import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from ..configuration import MoEConfig, _brief
+from ..dense_mlp import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from ..layers import SparseMoeBlock
 from ..layers.adapter_experts import ADAPTER_METHODS
 from ..model_card import hub_model_id
 from ..modeling import HEADS, MoEPreTrainedModel, base_head_class
 from ..ops import use_backend
-from .adapter_experts import (
-    ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_block, adapter_size, adapter_spec, base_reference,
-    check_adapter_options, freeze_base,
-)
-from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
+from .adapter_experts import ADAPTER_OPTIONS, METHOD_OPTION_NAMES, adapter_size, adapter_spec, check_adapter_options
 from .estimate import check_memory, estimate_conversion
 from .split import PARTITIONS, calibration_activations, calibration_text, split_block
 from .upcycle import upcycle_block

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..dense_mlp import DenseMLP
 from ..layers import SparseMoeBlock, build_router
-from .adapters import DenseMLP
 
 
 def neurons(mlp: DenseMLP, index: torch.Tensor) -> DenseMLP:

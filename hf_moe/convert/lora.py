@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from ..dense_mlp import DenseMLP, MLPSpec, extract_mlp, find_decoder_layers, find_mlp
 from ..layers.quantized import QuantizedExperts
-from .adapters import DenseMLP, MLPSpec, extract_mlp, find_decoder_layers, find_mlp
 
 # LoraConfig fields whose adapters are not `W + scaling * B @ A` on each target.
 _REFUSED_FIELDS = {

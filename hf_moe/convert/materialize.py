@@ -15,12 +15,11 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint_config
+from ..checkpoint.adapter_experts import is_adapter_checkpoint, local_base
 from ..checkpoint.commit import nested_directories
 from ..layers import Experts
 from ..layers.adapter_experts import AdapterExperts, adapter_blocks
 from ..modeling import MoEForCausalLM, MoEPreTrainedModel
-from .adapter_base import local_base
-from .adapter_experts import is_adapter_checkpoint
 from .estimate import SKIP_VARIABLE, available_memory, format_bytes
 
 PESC_WHY = (

@@ -10,7 +10,7 @@ The merge streams, as `convert_checkpoint` does (hf_moe/convert/stream.py, whose
 output files are laid out first; then each tensor is read from its source, one at a time (an average: one source's
 copy at a time, summed in fp64), and written at its place. An expert is one MLP of one layer of one source. Gates
 that need a forward (hidden states, calibration) run the model with one decoder layer in memory at a time
-(`merge_layerwise`); calibration gates run the merged model itself, read back from the files just written. Peak
+(`hf_moe.layerwise`); calibration gates run the merged model itself, read back from the files just written. Peak
 memory is one MLP (or one MoE layer while calibrating) plus the embeddings, whatever the number and size of the
 sources. Nothing is written where the recipe or the sources are wrong: every check (`merge_checks`) runs first.
 """
@@ -31,8 +31,8 @@ from ..checkpoint import checkpoint_state_dict, resolve_output_directory, same_d
 from ..checkpoint.layout import plan_shards
 from ..checkpoint.save import finish
 from ..compat import convert_file_size_to_int
+from ..dense_mlp import DenseMLP, NonFiniteWeightsError, all_finite, find_decoder_layers, find_mlp
 from ..modeling import MoEForCausalLM
-from .adapters import DenseMLP, NonFiniteWeightsError, all_finite, find_decoder_layers, find_mlp
 from .api import OPTIONS, ROUTER_DEFAULTS, _dtype, _license, _select_layers, moe_config
 from .merge_checks import Source, localize, open_sources
 from .merge_config import MergeConfig, MergeConfigError, load_merge_config
@@ -173,7 +173,7 @@ class _Plan:
 
     def runnable_model(self) -> MoEForCausalLM:
         """The merged model with its parameters on the meta device and its buffers (rotary frequencies) real, for a
-        forward whose weights `merge_layerwise` reads layer by layer."""
+        forward whose weights `hf_moe.layerwise` reads layer by layer."""
         with init_empty_weights(include_buffers=False):
             dense = AutoModelForCausalLM.from_config(self.base.config, dtype=self.dtype)
             return MoEForCausalLM.from_dense(dense, self.config, None).eval()

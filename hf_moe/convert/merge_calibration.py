@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import EXPERT_PARAM_NAMES
 from ..layers import SparseMoeBlock
+from ..layerwise import layerwise
 from .merge_gates import calibration_rows, domain_means
-from .merge_layerwise import layerwise
 
 BLOCK_TOKENS = 256
 

@@ -25,9 +25,9 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
+from ..layerwise import layer_inputs, layerwise
 from .merge_checks import Source
 from .merge_config import MergeConfig
-from .merge_layerwise import layer_inputs, layerwise
 
 
 def prompt_tokenizer(path: str):
@@ -105,7 +105,7 @@ class _HiddenStates:
     """The base model's hidden states entering each decoder layer on a batch of prompts, read layer by layer."""
 
     def __init__(self, base: Source, dtype: torch.dtype, average: bool):
-        from .adapters import find_decoder_layers
+        from ..dense_mlp import find_decoder_layers
 
         with init_empty_weights(include_buffers=False):
             self.model = AutoModelForCausalLM.from_config(base.config, dtype=dtype).eval()

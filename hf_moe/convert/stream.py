@@ -46,9 +46,9 @@ from ..checkpoint.guard import checkpoint_file, open_fd
 from ..checkpoint.headers import read_header
 from ..checkpoint.layout import plan_shards
 from ..checkpoint.save import finish
+from ..dense_mlp import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
-from .adapters import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from .estimate import check_disk, estimate_conversion
 from .api import (
     _check_model_type,
@@ -241,7 +241,7 @@ def _check_same_kind(first: tuple, mlp: DenseMLP, index: int) -> None:
 def _block_gap(mlp: DenseMLP, block: nn.Module) -> tuple[float, float]:
     """(max |block(x) - mlp(x)|, max |mlp(x)|) on 16 random hidden states x ~ N(0, 1), in eval mode. The second
     gives the first its scale: on unnormalised random inputs a real MLP's outputs can be in the hundreds."""
-    from .adapters import expert_forward
+    from ..dense_mlp import expert_forward
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(16, mlp.hidden_size, generator=generator).to(mlp.up.dtype)

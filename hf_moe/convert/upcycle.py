@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dense_mlp import DenseMLP
 from ..layers import SparseMoeBlock
-from .adapters import DenseMLP
 from .assemble import assemble_block, neurons
 
 

@@ -1,7 +1,7 @@
 """`shrink`: an MoE checkpoint -> the same kind of checkpoint with fewer experts per layer, streamed layer by layer.
 
 The model is never loaded whole. Its parameters stay on the meta device, and the calibration text runs through it
-one decoder layer at a time (`convert.merge_layerwise.layerwise`: each layer read from the files just before it
+one decoder layer at a time (`hf_moe.layerwise.layerwise`: each layer read from the files just before it
 runs, released after). When an MoE block has run, a hook on it sees the block's input and output, chooses what the
 layer keeps (`select`, `merge`), writes the layer's new router and experts, and hands the next layer the output of
 the shrunk block instead: later layers are chosen on the activations of the model as shrunk so far. Peak memory is
@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from ..checkpoint import (
     load_tokenizer, reading, resolve_output_directory, same_directory, staging_directory, validate_checkpoint,
 )
-from ..convert.merge_layerwise import layerwise, materialize
+from ..layerwise import layerwise, materialize
 from ..modeling import MoEForCausalLM
 from .calibration import calibration_ids, min_tokens
 from .layer import LayerData, combine, expert_outputs, expert_params, is_sigmoid_router, replaced_block, route

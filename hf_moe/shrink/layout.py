@@ -27,8 +27,8 @@ from transformers import PreTrainedConfig
 from ..checkpoint import checkpoint_config, read_json
 from ..compat import CONFIG_MAPPING
 from ..configuration import MoEConfig
-from ..convert.adapters import all_finite
 from ..convert.stream import _SafetensorsSource
+from ..dense_mlp import all_finite
 
 
 class ShrinkError(ValueError):

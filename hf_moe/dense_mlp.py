@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from ..compat import Conv1D
+from .compat import Conv1D
 
 MLP_MODULE_NAMES = ("mlp", "feed_forward", "ffn", "ff", "mlp_block", "feedforward")
 # (gate, up, down) of gated MLPs.

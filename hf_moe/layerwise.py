@@ -1,7 +1,8 @@
 """Running a model whose weights stay on disk: each decoder layer is read just before it runs and dropped after.
 
-The gates of a merge need forwards (the base model on the prompts for mergekit's `hidden` gates, the merged model
-on each source's text for calibration gates) of models that may not fit in memory beside everything else. The model
+A merge's gates (the base model on the prompts for mergekit's `hidden` gates, the merged model on each source's
+text for calibration gates) and `shrink` (each MoE layer chosen on the activations reaching it) run forwards of
+models that may not fit in memory beside everything else. A leaf: imports nothing of hf_moe. The model
 is built with its parameters on the meta device (buffers such as the rotary frequencies are real); hooks on its
 decoder layers fill a layer's parameters from `read(key)` before the layer runs and put them back on meta after, so
 the forward holds the embeddings and one decoder layer at a time.
