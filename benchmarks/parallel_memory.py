@@ -67,7 +67,9 @@ def worker(model_dir: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline = current_rss_mb()
     model = hf_moe.MoEForCausalLM.from_pretrained(model_dir, expert_parallel=True).train()
-    expected = estimate(model.config, Layout(ep=world, dp=1), dtype=torch.float32, optimizer_dtype=torch.float32)
+    with torch.device("meta"):  # every expert, as the arithmetic counts them (this rank's model holds its block)
+        whole = hf_moe.MoEForCausalLM(hf_moe.MoEConfig.from_pretrained(model_dir))
+    expected = estimate(whole, Layout(ep=world, dp=1), dtype=torch.float32, optimizer_dtype=torch.float32)
     expected = expected.by_rank[rank]
     model = hf_moe.parallelize(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

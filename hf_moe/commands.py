@@ -320,7 +320,7 @@ def _plan_config(args):
     from .checkpoint import CheckpointError, read_json
     from .configuration import MoEConfig
     from .convert.api import convert_to_moe
-    from .parallel.sizing import meta_model
+    from .modeling import MoEForCausalLM
 
     path = args.model
     local = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -339,7 +339,8 @@ def _plan_config(args):
     if isinstance(config, MoEConfig):
         if args.num_experts is not None or args.top_k is not None:
             raise ValueError(f"{path} is already an MoE model: drop --num-experts / --top-k.")
-        return config, meta_model(config), f"{path}"
+        with torch.device("meta"):
+            return config, MoEForCausalLM(config), f"{path}"
     if args.num_experts is None or args.top_k is None:
         raise ValueError(
             f"{path} is a dense `{config.model_type}` model: pass --num-experts and --top-k to plan it upcycled."
@@ -386,8 +387,8 @@ def _plan(args) -> None:
     print(header)
     print("-" * len(header))
     for layout in layouts:
-        e = estimate(config, layout, dtype=dtype, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                     gradient_accumulation_steps=args.gradient_accumulation_steps, model=model)
+        e = estimate(model, layout, dtype=dtype, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                     gradient_accumulation_steps=args.gradient_accumulation_steps)
         r = e.per_rank
         fits = "yes" if e.total <= memory else "no"
         where = " (EP across nodes)" if layout.ep > args.gpus else ""

@@ -6,16 +6,48 @@ time is still a circle in the design. Importing a module of a subpackage runs th
 is an edge to the subpackage too. The package root only re-exports: it may import anything, and nothing in the
 package may import it (each module imports what it uses from where it lives). `hf_moe_cli.py`, the top-level
 parser behind `hf-moe`, belongs to the graph too.
+
+The graph also runs one way: `FLOORS`, the package bottom to top as docs/architecture.md lists it, and a module
+imports only modules on its own floor or below (a subpackage's floor holds all its modules). An import up a floor
+fails, naming both modules and their floors: move the module, there is no list of exceptions.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "hf_moe"
 MAX_LINES = 600
+# The package bottom to top (docs/architecture.md, "The package, bottom to top", lists the same, in the same order).
+# A name is a module or a subpackage (all its modules), relative to hf_moe; hf_moe_cli is the top-level parser.
+FLOORS = [
+    ["version", "compat", "losses", "profiling", "memory", "inputs", "huge_pages", "dense_mlp", "layerwise"],
+    ["ops"],
+    ["layers"],
+    ["configuration"],
+    ["routing"],
+    ["model_card"],
+    ["checkpoint"],
+    ["parallel"],
+    ["offload"],
+    ["decode_native", "decode_one_op", "decode", "generation"],
+    ["backbone"],
+    ["modeling"],
+    ["auto"],
+    ["convert"],
+    ["shrink"],
+    ["quantize"],
+    ["export", "export_files", "export_verify"],
+    ["training"],
+    ["inspect", "env"],
+    ["gpu_check"],
+    ["commands"],
+    ["hf_moe_cli"],
+    ["cli"],
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -125,3 +157,70 @@ def test_the_walker_sees_lazy_imports_and_subpackage_inits():
 def test_no_module_is_over_600_lines():
     long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def floor_of(module: str, floors: list[list[str]] = FLOORS) -> int | None:
+    """The index in `floors` of the floor holding `module` (the longest name that is it or a package above it)."""
+    found, length = None, -1
+    for index, names in enumerate(floors):
+        for name in names:
+            full = name if name == "hf_moe_cli" else f"{ROOT}.{name}"
+            if (module == full or module.startswith(full + ".")) and len(full) > length:
+                found, length = index, len(full)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]], floors: list[list[str]] = FLOORS) -> list[str]:
+    """Each import of `graph` that runs up a floor, as a sentence naming both modules and their floors."""
+
+    def named(index: int) -> str:
+        return f"floor {index} ({' '.join(floors[index])})"
+
+    found = []
+    for module in sorted(graph):
+        here = floor_of(module, floors)
+        for target in sorted(graph[module]):
+            there = floor_of(target, floors)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} on {named(here)} imports {target} on {named(there)}, a floor above it")
+    return found
+
+
+def test_every_module_has_a_floor():
+    """A new module is placed on a floor here and in docs/architecture.md (the root only re-exports: no floor)."""
+    assert sorted(name for name in import_graph() if name != ROOT and floor_of(name) is None) == []
+
+
+def test_no_import_runs_up_a_floor():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_floor_check_names_an_upward_import():
+    """The check itself, on a made-up graph: a module importing one on a higher floor, in a function or not (the
+    walker sees both), is named with both floors; one on its own floor or below is not."""
+    floors = [["compat"], ["checkpoint"], ["modeling"]]
+    graph = {"hf_moe.compat": set(), "hf_moe.checkpoint.checks": {"hf_moe.modeling", "hf_moe.compat"},
+             "hf_moe.checkpoint.load": {"hf_moe.checkpoint.checks"}, "hf_moe.modeling": {"hf_moe.checkpoint"}}
+    assert upward_imports(graph, floors) == [
+        "hf_moe.checkpoint.checks on floor 1 (checkpoint) imports hf_moe.modeling on floor 2 (modeling), a floor "
+        "above it"
+    ]
+    assert floor_of("hf_moe.checkpoint.adapter_experts") == floor_of("hf_moe.checkpoint")
+    assert floor_of("hf_moe_cli") == len(FLOORS) - 2 and floor_of("hf_moe") is None
+
+
+def test_the_floors_are_those_of_the_architecture_page():
+    """docs/architecture.md lists the floors, one a line of its layout block (the names ending in .py or / at the
+    start of the line, one space apart, two or more before the description; a description's next lines are indented
+    further): the same names in the same order as FLOORS."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("## The package, bottom to top", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    listed = []
+    for line in block.splitlines():
+        if line.startswith("   "):  # a description continued
+            continue
+        words = re.split(r"\s{2,}", line.strip())[0].split()  # (two spaces or more end the names)
+        names = [w.removesuffix(".py").removesuffix("/") for w in words if w.endswith((".py", "/"))]
+        if names and names != [ROOT]:  # (the package's own line, hf_moe/, heads the block)
+            listed.append(names)
+    assert listed == FLOORS

@@ -42,8 +42,8 @@ def test_plan_prints_every_layout_with_what_fits(tmp_path, capsys):
     assert [("across" in r) for r in rows] == [False, False, True]  # EP 4 spans both nodes of 2 GPUs
     assert all(r[10] == "yes" for r in rows)  # a tiny model fits in 1 GB
     # The printed weights are the arithmetic's (in GB with one decimal: compare through the estimate itself).
-    config = convert_to_moe(tiny_dense(), num_experts=8, top_k=2, verify=False).config
-    e = estimate(config, Layout(ep=2, dp=2), dtype=torch.float32, seq_len=64)
+    moe = convert_to_moe(tiny_dense(), num_experts=8, top_k=2, verify=False)
+    e = estimate(moe, Layout(ep=2, dp=2), dtype=torch.float32, seq_len=64)
     assert f"{e.per_rank['weights'] / 1e9:.1f}G" == rows[0][3]
 
 
@@ -52,11 +52,11 @@ def test_plan_arithmetic_adds_up_to_the_model():
     model = _moe(num_experts=8)
     total = sum(p.numel() for p in model.parameters()) * 4
     for ep in (1, 2, 4, 8):
-        e = estimate(model.config, Layout(ep=ep, dp=1), dtype=torch.float32, model=model)
+        e = estimate(model, Layout(ep=ep, dp=1), dtype=torch.float32)
         assert sum(r["weights"] for r in e.by_rank) == total
         tensors = len(list(model.parameters()))
         assert all(r["optimizer"] == 2 * r["weights"] + 4 * tensors for r in e.by_rank)
-    bf16 = estimate(model.config, Layout(ep=2, dp=1), dtype=torch.bfloat16, model=model).by_rank[0]
+    bf16 = estimate(model, Layout(ep=2, dp=1), dtype=torch.bfloat16).by_rank[0]
     assert bf16["optimizer"] == 12 * bf16["weights"] // 2 + 4 * tensors  # fp32 m, v and master copy
 
 

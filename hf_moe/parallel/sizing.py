@@ -1,6 +1,6 @@
 """Memory per process of an expert-parallel x FSDP2 layout, computed (for `hf-moe plan`) and measured.
 
-The computation builds the model on the meta device (no memory) and applies `hf_moe.parallelize`'s placement to
+The computation takes the model built on the meta device (no memory) and applies `hf_moe.parallelize`'s placement to
 every parameter's shape, rank by rank, exactly as FSDP2 chunks it (torch.chunk along dim 0):
 
     expert parameter [E, ...]     block of E / ep experts on "ep", chunked over "dp" (on dim 0 or 1: shard.py)
@@ -59,16 +59,8 @@ def _chunks(n: int, parts: int) -> list[int]:
     return [max(0, min(size, n - i * size)) for i in range(parts)]
 
 
-def meta_model(config):
-    """The MoE model of `config`, on the meta device (shapes only)."""
-    from ..modeling import MoEForCausalLM
-
-    with torch.device("meta"):
-        return MoEForCausalLM(config)
-
-
 def estimate(
-    config,
+    model: torch.nn.Module,
     layout: Layout,
     *,
     dtype: torch.dtype = torch.bfloat16,
@@ -76,13 +68,14 @@ def estimate(
     micro_batch: int = 1,
     seq_len: int = 2048,
     gradient_accumulation_steps: int = 1,
-    model=None,
 ) -> Estimate:
-    """Bytes per rank of `config`'s MoE model under `layout` (see the module docstring)."""
+    """Bytes per rank of the MoE model `model` under `layout` (see the module docstring). Only its parameters' shapes
+    and its config are read: build it whole (every expert) on the meta device, `with torch.device("meta"):
+    MoEForCausalLM(config)`, which takes no memory."""
     from ..layers import Experts
     from .shard import expert_shard_dim
 
-    model = meta_model(config) if model is None else model
+    config = model.config
     e = config.num_experts
     if e % layout.ep:
         raise ValueError(f"num_experts={e} does not divide by the expert-parallel size {layout.ep}.")

@@ -287,7 +287,7 @@ def plan_arithmetic(model, ep: int) -> None:
     train(sharded, optimizer, range(1))
     sharded_step(sharded, 1)  # gradients present
     measured = measured_bytes(sharded, optimizer)
-    expected = estimate(model.config, Layout(ep=ep, dp=WORLD // ep), dtype=torch.float32, optimizer_dtype=torch.float32)
+    expected = estimate(model, Layout(ep=ep, dp=WORLD // ep), dtype=torch.float32, optimizer_dtype=torch.float32)
     for key in ("weights", "gradients", "optimizer"):
         assert measured[key] == expected.per_rank[key], (RANK, key, measured[key], expected.per_rank[key])
     ok(f"hf-moe plan's bytes per rank equal the local tensors ({model.config.num_experts} experts, EP {ep} x dp "
