@@ -165,6 +165,18 @@ def test_the_cli_shrinks_and_reports(moe_dir, calib, tmp_path, capsys):
     assert "Calibration loss (nats per token): full model" in capsys.readouterr().out
 
 
+def test_the_cli_offers_every_method_and_each_is_one_class_by_its_name():
+    """`hf-moe shrink --method` names its choices in hf_moe_cli.py (so that --help imports no torch); they are the
+    registry's, and each name finds the class that carries it."""
+    import hf_moe_cli
+    from hf_moe.shrink import METHODS
+    from hf_moe.shrink.methods import SHRINK_METHODS, ShrinkMethod
+
+    shrink = next(a for a in hf_moe_cli._parser()._actions if a.choices and "shrink" in a.choices).choices["shrink"]
+    assert next(a for a in shrink._actions if a.dest == "method").choices == list(METHODS) == list(SHRINK_METHODS)
+    assert all(issubclass(c, ShrinkMethod) and c.name == name for name, c in SHRINK_METHODS.items())
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def test_bad_input_is_refused_with_what_to_do(moe_dir, calib, tmp_path, capsys):
     for keep in (0, 5):
@@ -316,17 +328,17 @@ def test_each_layer_aims_at_the_original_model_not_at_its_own_shrunk_input(moe_d
     """Reconstruction said a later layer's choice corrects the error of the layers shrunk before it, but aimed each
     layer at the full block's output on the shrunk model's input, which takes that error as given. The target is now
     the original model's output at the layer (carried in the same forward), and the search runs on the shrunk input."""
-    from hf_moe.shrink import api
+    from hf_moe.shrink import methods
     from hf_moe.shrink.calibration import calibration_ids
 
     seen = {}
-    choose = api._Run._choose
+    choose = methods.ReconstructionMethod.choose
 
     def spy(self, layer, block, data, state, params):
         seen[layer] = (data.x.clone(), data.routed.clone())
         return choose(self, layer, block, data, state, params)
 
-    monkeypatch.setattr(api._Run, "_choose", spy)
+    monkeypatch.setattr(methods.ReconstructionMethod, "choose", spy)
     hf_moe.shrink(moe_dir, tmp_path / "out", 2, "reconstruction", calib, calibration_tokens=256, progress=False)
     model = MoEForCausalLM.from_pretrained(moe_dir).eval()
     ids = calibration_ids(calib, tiny_tokenizer(), 256, 256, 1)

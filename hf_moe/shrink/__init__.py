@@ -8,13 +8,16 @@ transformers' own MoE checkpoints (docs/shrinking.md).
     search.py       method loss: a coordinate search over the layers scored by the model's loss on the text
     merge.py        merging the experts left out into the ones kept (grouped, aligned, weighted, router refitted)
     output.py       the shrunk checkpoint's files, in the input's kind
-    api.py          `shrink`: the layer-by-layer pass that ties them together
+    passes.py       the passes over the layers: the layer-by-layer forward (meta model, one layer read at a time), or
+                    each layer read, cut and written
+    methods.py      the methods, one class each behind one interface (`ShrinkMethod`), by name in `SHRINK_METHODS`
+    api.py          `shrink`: the request checked, the checkpoint and the output opened, the method applied
 
 Dynamic skipping, the inference-time counterpart, is a router option (`router_skip_threshold`, layers/router.py).
 """
 
 from .api import SCOPES, ShrinkResult, shrink
 from .layout import ShrinkError
-from .select import METHODS
+from .methods import METHODS
 
 __all__ = ["METHODS", "SCOPES", "ShrinkError", "ShrinkResult", "shrink"]

@@ -39,7 +39,6 @@ from .layer import LayerData, combine, make_router, route, select_rows
 
 ENUMERATION_LIMIT = 256  # subsets tried one by one; above, greedy elimination
 TOKEN_FLOOR = 0.01  # a token's squared output norm counts as at least this share of the mean (see Reconstruction)
-METHODS = ("reconstruction", "loss", "merge", "frequency", "random")
 
 
 @dataclass
