@@ -132,10 +132,13 @@ def _finished_clean(out: str) -> bool:
 
 
 def _no_triton_tests() -> str | None:
-    """Why the Triton tests cannot run here (None if they can): they live in the source tree, not the package."""
+    """Why the Triton tests cannot run here (None if they can): they are files of hf_moe's source tree (tests/ beside
+    hf_moe/), which an installed package (a wheel in site-packages) does not hold. The other steps need no source."""
     if _triton_files():
         return None
-    return f"skipped: no {TRITON_TESTS / TRITON_FILES} found (run from a source checkout)"
+    return (f"skipped: the Triton tests are files of hf_moe's source tree, not of the installed package (no "
+            f"{TRITON_TESTS / TRITON_FILES}). Run gpu_check from a source checkout, where tests/ sits beside hf_moe/: "
+            "clone the hf_moe repository, `pip install -e .[dev]` in it, and run `python -m hf_moe.gpu_check` there")
 
 
 def step_triton_tests(step, smoke: bool, limit: float) -> None:
