@@ -265,17 +265,17 @@ def convert_block(
     opts: dict[str, Any],
     activations: torch.Tensor | None,
     generator: torch.Generator,
-    materialize: bool = True,
+    share_identical: bool = False,
 ) -> SparseMoeBlock:
     """One dense MLP -> its MoE block, by `method`. Layers must be converted in order with one `generator` for
-    a conversion to be reproducible (streamed or not). `materialize=False`: see `assemble_block`."""
+    a conversion to be reproducible (streamed or not). `share_identical`: see `assemble_block`."""
     if method == "split":
         return split_block(mlp, config, opts["partition"], activations, generator=generator)
     if method in ADAPTER_METHODS:
         return adapter_block(mlp, config, generator)
     return upcycle_block(
         mlp, config, noise=opts["noise"], reinit_fraction=opts["reinit_fraction"], generator=generator,
-        materialize=materialize,
+        share_identical=share_identical,
     )
 
 

@@ -32,7 +32,7 @@ def assemble_block(
     router_weight: torch.Tensor,
     shared: DenseMLP | None = None,
     down_bias: torch.Tensor | None = None,
-    materialize: bool = True,
+    share_identical: bool = False,
 ) -> SparseMoeBlock:
     """An MoE block holding `experts` (E pieces of equal size), `shared` (always active) and the router weight
     [E, H], on the device and dtype of the pieces.
@@ -41,7 +41,7 @@ def assemble_block(
     experts if any, else into every routed expert when their weights sum to one (upcycling), else into the block's
     output bias (`moe_output_bias`).
 
-    With `materialize=False`, experts made of the very same tensors share one copy: the stacked parameter is an
+    With `share_identical=True`, experts made of the very same tensors share one copy: the stacked parameter is an
     expanded view [E, ...] of it. Such a block computes like any other but is for reading out (the streaming
     conversion writes it to disk), not for training.
     """
@@ -54,7 +54,7 @@ def assemble_block(
         """[E, ...]: expert e's pieces concatenated along dim 0, written in place (no per-expert temporaries:
         an upcycled block may hold E copies of a large MLP)."""
         head = pieces[0]
-        if not materialize and all(all(a is b for a, b in zip(parts, head)) for parts in pieces):
+        if share_identical and all(all(a is b for a, b in zip(parts, head)) for parts in pieces):
             row = torch.cat(head) if len(head) > 1 else head[0]
             return nn.Parameter(row.unsqueeze(0).expand(len(pieces), *row.shape), requires_grad=False)
         out = torch.empty(

@@ -94,6 +94,48 @@ def convert_checkpoint(
         StreamingUnsupported: when the source cannot be streamed (no safetensors, tensor names that differ from
             the model's, options that need the model); `convert_to_moe` handles those.
     """
+    plan = plan_conversion(src, out, num_experts, top_k, method, layers, max_shard_size, options)
+    write_conversion(plan, progress, extra)
+    return plan.moe
+
+
+@dataclass
+class ConversionPlan:
+    """What a streaming conversion writes and where each tensor comes from, decided and checked before anything is
+    written (`plan_conversion`); `write_conversion` carries it out.
+
+    `layout` {key: (dtype, shape)} is every output tensor; `copied` the keys read from the source (`names[key]` in
+    `source`), cast to their layout dtype; every other key is a tensor of an MoE block, made from the dense MLP of
+    decoder layer i (`moe_layers`) and written under `block_prefix[i]`. The first layer's MLP and block are already
+    made (`first`: they fix the expert shape, so the config); the others are made in order with `generator`.
+    """
+
+    source: _SafetensorsSource
+    names: dict[str, str]  # model key -> checkpoint key
+    base_config: Any
+    config: Any  # the MoEConfig
+    moe: MoEForCausalLM  # on the meta device: what `finish` saves the config, card and index of
+    method: str
+    opts: dict[str, Any]
+    num_experts: int
+    working_dtype: torch.dtype
+    layers_path: str
+    decoder_layers: Any  # the dense model's decoder layers, on the meta device
+    spec: Any  # where the MLP sits in a decoder layer (`dense_mlp.find_mlp`)
+    moe_layers: list[int]
+    block_prefix: dict[int, str]
+    layout: dict[str, tuple[torch.dtype, torch.Size]]
+    copied: list[str]
+    shards: dict[str, dict[str, Any]]  # file name -> its tensors (`checkpoint.layout.plan_shards`)
+    target: Path
+    generator: torch.Generator
+    first: tuple[DenseMLP, nn.Module] | None  # the first MoE layer's MLP and block; None once written
+
+
+def plan_conversion(src, out, num_experts: int, top_k: int, method: str, layers: list[int] | None,
+                    max_shard_size: int | str, options: dict) -> ConversionPlan:
+    """Every check of a streaming conversion that needs no output written: options, source, disk space, the
+    output's tensors and files. Reads the source's headers and its first converted MLP."""
     opts = resolve_options(num_experts, top_k, method, layers, options)
     if method == "split" and opts["partition"] == "coactivation":
         raise StreamingUnsupported("partition='coactivation' runs the whole model on calibration text.")
@@ -128,9 +170,8 @@ def convert_checkpoint(
         base_config, num_experts, top_k, method, opts, moe_layers, first, layers_path, spec,
         source=str(src), license=_license(src),
     )
-    first_kind = first.kind
     generator = torch.Generator().manual_seed(opts["seed"])
-    first_block = convert_block(method, first, config, opts, None, generator, materialize=False)
+    first_block = convert_block(method, first, config, opts, None, generator, share_identical=True)
     with torch.device("meta"):  # from_dense converts in place: a second meta model, `dense` keeps its MLPs
         dense = AutoModelForCausalLM.from_config(base_config, dtype=working_dtype)
         moe = MoEForCausalLM.from_dense(dense, config, None)
@@ -143,10 +184,9 @@ def convert_checkpoint(
     keep_fp32 = set(getattr(dense, "_keep_in_fp32_modules", None) or ()) | set(
         getattr(dense, "_keep_in_fp32_modules_strict", None) or ()
     )
-    planned = checkpoint_state_dict(moe)
     layout: dict[str, tuple[torch.dtype, torch.Size]] = {}
-    copied: list[str] = []  # keys copied from the source; the others come from the blocks
-    for key, meta in planned.items():
+    copied: list[str] = []
+    for key, meta in checkpoint_state_dict(moe).items():
         owner = next((i for i, p in block_prefix.items() if key.startswith(p)), None)
         if owner is not None:  # (a block's `bias` may share its name with the dense MLP's: it is the block's)
             layout[key] = (block_dtypes[fused_key(key)[len(block_prefix[owner]) :]], meta.shape)
@@ -159,43 +199,53 @@ def convert_checkpoint(
             raise StreamingUnsupported(f"the model has a tensor {key!r} that the checkpoint does not hold.")
 
     shards = plan_shards({k: torch.empty(s, dtype=d, device="meta") for k, (d, s) in layout.items()},
-                          convert_file_size_to_int(max_shard_size))
+                         convert_file_size_to_int(max_shard_size))
     target = resolve_output_directory(out, "Cannot write the MoE checkpoint to")
+    return ConversionPlan(source, names, base_config, config, moe, method, opts, num_experts, working_dtype,
+                          layers_path, decoder_layers, spec, moe_layers, block_prefix, layout, copied, shards, target,
+                          generator, (first, first_block))
+
+
+def write_conversion(plan: ConversionPlan, progress: bool = True, extra=None) -> None:
+    """Write `plan`'s checkpoint: the copied tensors, then each MoE layer's block (its MLP read, converted, probed
+    against the MLP where `verify` is on), then config, card and index (`checkpoint.save.finish`); atomic."""
+    opts, source = plan.opts, plan.source
     if opts["verify"]:
         load_extension()  # a first-use compile happens here, not inside the progress bar (whose ETA it would skew)
-    total = sum(math.prod(s) * d.itemsize for d, s in layout.values())
-    with staging_directory(target) as staging, _ShardWriter(staging, shards, layout) as writer:
+    total = sum(math.prod(s) * d.itemsize for d, s in plan.layout.values())
+    first_kind = plan.first[0].kind
+    with staging_directory(plan.target) as staging, _ShardWriter(staging, plan.shards, plan.layout) as writer:
         with tqdm(total=total, unit="B", unit_scale=True, desc="Streaming conversion", disable=not progress) as bar:
             writer.on_write = bar.update
-            for key in copied:
-                writer.write(key, source.read(names[key]).to(layout[key][0]))
+            for key in plan.copied:
+                writer.write(key, source.read(plan.names[key]).to(plan.layout[key][0]))
             worst = scale = 0.0
-            pending = (first, first_block)  # the first layer is already converted
-            del first, first_block
-            for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False,
-                          disable=not progress):
+            pending, plan.first = plan.first, None  # the first layer is already converted
+            for i in tqdm(plan.moe_layers, desc=progress_text(plan.method, len(plan.moe_layers), plan.num_experts),
+                          leave=False, disable=not progress):
                 if pending is not None:
                     (mlp, block), pending = pending, None
                 else:
-                    mlp = _read_mlp(source, names, decoder_layers[i], spec, layers_path, i, working_dtype, base_config)
+                    mlp = _read_mlp(source, plan.names, plan.decoder_layers[i], plan.spec, plan.layers_path, i,
+                                    plan.working_dtype, plan.base_config)
                     _check_same_kind(first_kind, mlp, i)
-                    block = convert_block(method, mlp, config, opts, None, generator, materialize=False)
+                    block = convert_block(plan.method, mlp, plan.config, opts, None, plan.generator,
+                                          share_identical=True)
                 if opts["verify"]:
                     gap, size = _block_gap(mlp, block)
                     worst, scale = max(worst, gap), max(scale, size)
-                prefix = block_prefix[i]
+                prefix = plan.block_prefix[i]
                 writer.write_many(split_experts({prefix + k: t for k, t in block.state_dict().items()}, block, prefix))
                 del mlp, block
         writer.close()
         if opts["verify"]:
-            config.moe_conversion.update(
+            plan.config.moe_conversion.update(
                 max_abs_block_diff=worst,
                 max_abs_mlp_output=scale,
                 probe=f"per MoE layer: 16 random hidden states through the dense MLP and the MoE block, "
-                f"{str(working_dtype).removeprefix('torch.')}, eval mode",
+                f"{str(plan.working_dtype).removeprefix('torch.')}, eval mode",
             )
-        finish(moe, staging, target, [writer.weight_map], extra)
-    return moe
+        finish(plan.moe, staging, plan.target, [writer.weight_map], extra)
 
 
 def _cast_dtype(key: str, src: torch.dtype, dtype: torch.dtype | None, keep_fp32: set[str]) -> torch.dtype:
@@ -208,7 +258,8 @@ def _cast_dtype(key: str, src: torch.dtype, dtype: torch.dtype | None, keep_fp32
 
 
 def _read_mlp(source, names, meta_layer, spec, layers_path, index, dtype, base_config) -> DenseMLP:
-    """Materialise the MLP of decoder layer `index` alone (the rest of the layer stays on meta) and read it."""
+    """The MLP of decoder layer `index` alone, its parameters allocated and read (the rest of the layer stays on
+    meta)."""
     layer = copy.deepcopy(meta_layer)
     owners = [layer.get_submodule(spec.module_path)] if spec.module_path else [
         getattr(layer, p) for p in (spec.up, spec.gate, spec.down) if p

@@ -21,7 +21,7 @@ def upcycle_block(
     noise: float = 0.0,
     reinit_fraction: float = 0.0,
     generator: torch.Generator | None = None,
-    materialize: bool = True,
+    share_identical: bool = False,
 ) -> SparseMoeBlock:
     """An MoE block whose E experts are copies of `mlp`, on `mlp`'s device and dtype.
 
@@ -33,7 +33,7 @@ def upcycle_block(
             (0 keeps the copies identical). Biases get no noise.
         reinit_fraction: Drop-Upcycling: the fraction of each routed copy's neurons re-initialised (0 keeps them).
         generator: CPU generator for the router init, the noise and the re-initialised neurons.
-        materialize: False lets identical copies share memory (see `assemble_block`): for writing out only.
+        share_identical: True lets identical copies share memory (see `assemble_block`): for writing out only.
     Returns:
         A `SparseMoeBlock`; the router is drawn from N(0, config.moe_init_std).
 
@@ -64,7 +64,8 @@ def upcycle_block(
             _reinit_neurons(copy, round(reinit_fraction * copy.intermediate_size), generator)
         experts.append(copy)
     router = torch.randn(config.num_experts, mlp.hidden_size, generator=generator) * config.moe_init_std
-    return assemble_block(config, experts, router, shared=shared, down_bias=mlp.down_bias, materialize=materialize)
+    return assemble_block(config, experts, router, shared=shared, down_bias=mlp.down_bias,
+                          share_identical=share_identical)
 
 
 def _reinit_neurons(mlp: DenseMLP, count: int, generator: torch.Generator | None) -> None:
