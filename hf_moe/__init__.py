@@ -11,6 +11,7 @@ from .convert.api import convert_to_moe
 from .convert.stream import StreamingUnsupported, convert_checkpoint
 from .dense_mlp import NoMLPFoundError
 from .export import NativeExport, NativeExportError, export_native
+from .generation import generate
 from .layers import ROUTERS, Experts, Router, RouterOutput, SparseMoeBlock, TopKRouter, register_router
 from .losses import load_balancing_loss, router_z_loss
 from .modeling import MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification
@@ -73,6 +74,7 @@ __all__ = [
     "expert_parallel",
     "parallelize",
     "export_native",
+    "generate",
     "load_balancing_loss",
     "load_quantized",
     "materialize",

@@ -99,6 +99,12 @@ def static_cache_layers(cache) -> list | None:
     return layers
 
 
+def pad_token_tensor(generation_config):
+    """The padding id `generate` gives finished rows (`_pad_token_tensor`, private: set by transformers' `generate`
+    from `pad_token_id`, else the first EOS id, before it calls the decoding loop; 5.17 to 5.24), or None."""
+    return getattr(generation_config, "_pad_token_tensor", None)
+
+
 def enable_activation_checkpointing(model, **kwargs) -> None:
     """`model.activation_checkpointing_enable(**kwargs)`: transformers 5.23 renamed `gradient_checkpointing_enable`
     (the old name warns), which 5.17 still uses."""

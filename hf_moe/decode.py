@@ -11,16 +11,18 @@ when it is int8 or a decode-sized product). The step is compiled with `torch.com
 (and the inductor options of `hf_moe.generation.DECODE_OPTIONS`), so no Python runs between its kernels.
 
 Where every layer is one its kernels compute with nothing around them (an hf_moe MoE block with the plain top-k
-router: `hf_moe.decode_native.native_reason`), the step is not compiled at all: it is one call of the model's plan
-(`hf_moe.decode_native.DecodePlan`), which runs the same kernels layer by layer in C++ (faster than the compiled
-step on the quickstart's model, docs/serving-cpu.md, and no compilation on the first call).
+router, one of transformers' own MoE blocks, a dense MLP: `hf_moe.decode_one_op.one_op_reason`), the step is not
+compiled at all: it is one call of the model's plan (`hf_moe.decode_one_op.DecodePlan`), which runs the same kernels
+layer by layer in C++ (faster than the compiled step on the quickstart's model, docs/serving-cpu.md, and no
+compilation on the first call). transformers' own Mixtral, Qwen2-MoE and Qwen3-MoE run it through
+`hf_moe.generate(model, ...)` (hf_moe.generation), their `generate` being transformers' own.
 
 Which engine decodes a model is decided in one place, `choose_decode`, which gives its reason too:
 
-  one_op    the plan's step (hf_moe.decode_native): `generate`'s default on CPU wherever it serves the model, and what
+  one_op    the plan's step (hf_moe.decode_one_op): `generate`'s default on CPU wherever it serves the model, and what
             a static cache gets there too;
   fused     the compiled fused step (a static cache asked for, the one-op step not serving the model, or
-            `decode_compile_config(native=False)`);
+            `decode_compile_config(one_op=False)`);
   compiled  transformers' compiled forward (a static cache, and a model whose layers the fused step does not cover,
             or a `compile_config` of the caller's own);
   eager     the model's forward, nothing compiled (the default wherever the one-op step does not serve the model:
@@ -43,19 +45,25 @@ import torch
 from torch import nn
 
 from .compat import CACHE_NAME, skipping_guards, static_cache_layers
-from .decode_native import DecodePlan, max_batch, moe_layers, native_reason, plan_for
+from .decode_one_op import DecodePlan, max_batch, moe_layers, one_op_reason, plan_for
 from .huge_pages import back_with_huge_pages
 from .layers.quantized_linear import QuantizedLinear, linear_weights
 from .ops import backend_setting, load_extension
 
 # Decoder layers (and their attention) computing what LlamaDecoderLayer computes: pre-norm attention with rotary
-# embeddings (Qwen3: and a per-head RMSNorm of q and k), pre-norm MLP, residual adds.
+# embeddings (Qwen3, Qwen3-MoE: and a per-head RMSNorm of q and k), pre-norm MLP, residual adds; the last four are
+# transformers' MoE families (served by the one-op step only: the compiled fused step is hf_moe models')
 LAYERS = {
     "LlamaDecoderLayer": "LlamaAttention", "MistralDecoderLayer": "MistralAttention",
     "Qwen2DecoderLayer": "Qwen2Attention", "Qwen3DecoderLayer": "Qwen3Attention",
+    "MixtralDecoderLayer": "MixtralAttention", "Qwen2MoeDecoderLayer": "Qwen2MoeAttention",
+    "Qwen3MoeDecoderLayer": "Qwen3MoeAttention", "OlmoeDecoderLayer": "OlmoeAttention",
 }
-BACKBONES = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"}  # their MoE subclasses: MoELlamaModel, ...
-NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+# their MoE subclasses too: MoELlamaModel, ...
+BACKBONES = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "MixtralModel", "Qwen2MoeModel",
+             "Qwen3MoeModel", "OlmoeModel"}
+NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
+         "Qwen3MoeRMSNorm", "OlmoeRMSNorm"}
 ONE_OP, FUSED, COMPILED, EAGER = "one_op", "fused", "compiled", "eager"  # the engines (module docstring)
 logger = logging.getLogger("hf_moe")
 
@@ -88,6 +96,8 @@ def _fused_reason(model) -> str | None:
         return "it attends within a sliding window"
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         return "some of its layers are not full-attention layers"
+    if getattr(config, "clip_qkv", None) is not None:
+        return "it clips q, k and v (clip_qkv), which the attention kernel does not"
     for i, layer in enumerate(backbone.layers):
         attention = getattr(layer, "self_attn", None)
         if LAYERS.get(type(layer).__name__) != type(attention).__name__:
@@ -103,6 +113,9 @@ def _fused_reason(model) -> str | None:
         if has_qk_norm and not (_is_norm(getattr(attention, "q_norm", None))
                                 and _is_norm(getattr(attention, "k_norm", None))):
             return f"layer {i}'s q/k norms are not RMSNorms"
+        if has_qk_norm and attention.q_norm.weight.numel() != attention.head_dim:
+            return (f"layer {i}'s q/k norms span all heads ({attention.q_norm.weight.numel()} values, OLMoE's), not "
+                    f"each head ({attention.head_dim}), which the attention kernel normalises")
         if param.dtype != layer.input_layernorm.weight.dtype:
             return "its weights are not all of one dtype"
     if backend_setting() == "torch" or load_extension()[0] is None:
@@ -132,7 +145,7 @@ def _call_reason(model, batch: int | None) -> str | None:
                    if m._forward_hooks or m._forward_pre_hooks), None)
     if hooked is not None:
         return f"{hooked} has forward hooks, which the one-op step would not run"
-    recorder = moe_layers(model)[0].mlp.router_recorder
+    recorder = getattr(moe_layers(model)[0].mlp, "router_recorder", None)
     if recorder is not None and recorder.outputs is not None:
         return "routing is being recorded"
     limit = max_batch(model)
@@ -146,7 +159,7 @@ def choose_decode(model, batch: int | None = None, config=None) -> DecodeChoice:
 
     `config`: the call's compile config, None for the plain call (nothing is compiled: the one-op step or eager);
     hf_moe's `DecodeCompileConfig` says with `compile=False` that nothing is compiled either, with `fused` and
-    `native` which compiled step may run; any other `CompileConfig` compiles transformers' forward. `batch`: the
+    `one_op` which compiled step may run; any other `CompileConfig` compiles transformers' forward. `batch`: the
     rows decoded together, where known."""
     compiling = config is not None and getattr(config, "compile", True)
     if compiling and not getattr(config, "fused", False):
@@ -155,9 +168,9 @@ def choose_decode(model, batch: int | None = None, config=None) -> DecodeChoice:
     if reason is not None:
         return DecodeChoice(COMPILED if compiling else EAGER, reason)
     otherwise = FUSED if compiling else EAGER
-    if config is not None and not getattr(config, "native", True):
-        return DecodeChoice(otherwise, "decode_compile_config(native=False) asks for the compiled fused step")
-    reason = native_reason(model) or _call_reason(model, batch)
+    if config is not None and not getattr(config, "one_op", True):
+        return DecodeChoice(otherwise, "decode_compile_config(one_op=False) asks for the compiled fused step")
+    reason = one_op_reason(model) or _call_reason(model, batch)
     if reason is not None:
         return DecodeChoice(otherwise, reason)
     return DecodeChoice(ONE_OP, "every layer is one the plan's one-op step computes; nothing is compiled")
@@ -167,7 +180,7 @@ def say(model, choice: DecodeChoice) -> None:
     """Log (INFO, logger "hf_moe") which engine decodes `model` and why, once per model and choice."""
     if model.__dict__.get("_hf_moe_decode_said") != choice:
         model.__dict__["_hf_moe_decode_said"] = choice
-        hint = "" if choice.engine != EAGER else (
+        hint = "" if choice.engine != EAGER or getattr(model.config, "model_type", None) != "hf_moe" else (
             "; cache_implementation=\"static\" compiles a decode step instead (a minute or more on the first call)")
         logger.info("hf_moe: generate decodes with the %s engine: %s%s", choice.engine, choice.reason, hint)
 

@@ -35,13 +35,15 @@ tests/test_decode.py):
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from .compat import compile_on_every_device
+from .compat import CACHE_NAME, compile_on_every_device, pad_token_tensor, static_cache_layers
 from .decode import ONE_OP, choose_decode, say
+from .decode_one_op import plan_for
 from .memory import SKIP_VARIABLE, format_bytes, free_memory, size_check_skipped
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
@@ -56,16 +58,16 @@ class DecodeCompileConfig(CompileConfig):
     """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
     where its architecture allows, compiled with the same settings, and `skip_guards`: the fused step checks
     Dynamo's guards on the first step of each `generate` call only. Dynamo's stance is process-wide, so a server
-    that runs compiled code from several threads at once sets `skip_guards=False`; and `native`: where the model
-    allows it, the fused step is one call of the model's plan and nothing is compiled (hf_moe.decode_native;
-    `native=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
+    that runs compiled code from several threads at once sets `skip_guards=False`; and `one_op`: where the model
+    allows it, the fused step is one call of the model's plan and nothing is compiled (hf_moe.decode_one_op;
+    `one_op=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
     transparent huge pages (hf_moe.huge_pages); and `compile`: False compiles nothing (the one-op step where it
     serves the model, its forward elsewhere: what `generate`'s plain call gets). transformers' own models ignore all
     five."""
 
     fused: bool = True
     skip_guards: bool = True
-    native: bool = True
+    one_op: bool = True
     huge_pages: bool = True
     compile: bool = True
 
@@ -74,7 +76,7 @@ class DecodeCompileConfig(CompileConfig):
         config = super().to_dict()
         config.pop("fused", None)
         config.pop("skip_guards", None)
-        config.pop("native", None)
+        config.pop("one_op", None)
         config.pop("huge_pages", None)
         config.pop("compile", None)
         if config.get("options"):  # torch.compile takes a mode or options; mode "default" is the options' base
@@ -85,16 +87,21 @@ class DecodeCompileConfig(CompileConfig):
 
 
 def decode_compile_config(fused: bool = True, options: dict | None = None, skip_guards: bool = True,
-                          native: bool = True, huge_pages: bool = True, compile: bool = True) -> DecodeCompileConfig:
+                          one_op: bool = True, huge_pages: bool = True, compile: bool = True,
+                          native: bool | None = None) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
     `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
     `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`, and as one
-    op call where the model allows it unless `native=False`, its weights on huge pages unless `huge_pages=False`
-    (`DecodeCompileConfig`), and nothing compiled at all with `compile=False`. mode="default": "reduce-overhead"
-    (transformers' default) means CUDA graphs, which do not exist on CPU."""
+    op call where the model allows it unless `one_op=False` (`native`: its former name, deprecated), its weights on
+    huge pages unless `huge_pages=False` (`DecodeCompileConfig`), and nothing compiled at all with `compile=False`.
+    mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist on CPU."""
+    if native is not None:
+        warnings.warn("decode_compile_config(native=...) is deprecated: pass one_op=...", DeprecationWarning,
+                      stacklevel=2)
+        one_op = native
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
                                  options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
-                                 skip_guards=skip_guards, native=native, huge_pages=huge_pages, compile=compile)
+                                 skip_guards=skip_guards, one_op=one_op, huge_pages=huge_pages, compile=compile)
     return compile_on_every_device(config)
 
 
@@ -283,3 +290,123 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
     kwargs = _with_cache_length(model, args, kwargs)
     check_static_cache(model, args, kwargs)
     return kwargs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers' own models (Mixtral, Qwen2-MoE, Qwen3-MoE on experts_implementation="hf_moe"): their `generate` is
+# transformers', which hf_moe does not replace; its public hook for a decoding loop, `custom_generate`, runs the one-op
+# step's loop below after transformers' own input preparation.
+# ---------------------------------------------------------------------------------------------------------------
+
+def generate(model, *args, **kwargs):
+    """`model.generate(*args, **kwargs)` on the fast decode path, for any causal LM. An hf_moe model's own `generate`
+    already is (`MoEForCausalLM.generate`). For transformers' own MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE loaded
+    with `experts_implementation="hf_moe"`; int8 experts by `hf_moe.quantize_experts`): where the caller chose nothing
+    about how to decode (`_plain_batch`) and the one-op step serves the model (`choose_decode`), transformers'
+    `generate` runs as ever (inputs, logits processors, stopping criteria, a static cache of `cache_length`) with
+    `custom_generate=one_op_sample`, so each decode token is one call of the model's plan and nothing is compiled.
+    Elsewhere it is `model.generate(*args, **kwargs)` unchanged; the engine and the reason are logged once per model
+    (INFO, logger "hf_moe")."""
+    if getattr(getattr(model, "config", None), "model_type", None) == "hf_moe":
+        return model.generate(*args, **kwargs)
+    return model.generate(*args, **one_op_kwargs(model, args, kwargs))
+
+
+def one_op_kwargs(model, args: tuple, kwargs: dict) -> dict:
+    """`generate`'s keyword arguments for transformers' own model `model` with the one-op step's loop
+    (`one_op_sample`) and its static cache, where the plain call may have them (`generate`); else `kwargs`."""
+    batch = _plain_batch(model, args, kwargs)
+    if (batch is None or not _compiles(model) or _setting(model, kwargs, "prefill_chunk_size") is not None
+            or kwargs.get("synced_gpus")):
+        return kwargs
+    choice = choose_decode(model, batch)
+    say(model, choice)
+    if choice.engine != ONE_OP:
+        return kwargs
+    planned = _with_cache_length(model, args, dict(kwargs))
+    if not _fits(model, args, planned, _setting(model, planned, "max_cache_len")):
+        return kwargs
+    planned.update(cache_implementation=STATIC, custom_generate=one_op_sample)
+    if planned.get("streamer") is not None:  # transformers keeps `streamer` from a custom loop: it goes by this name
+        planned["one_op_streamer"] = planned["streamer"]
+    return planned
+
+
+@torch.no_grad()
+def one_op_sample(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+                  one_op_streamer=None, **model_kwargs):
+    """transformers' sampling loop (greedy search, or multinomial sampling: `GenerationMixin._sample`), as
+    `model.generate(..., custom_generate=one_op_sample)` calls it, with each decode token one call of the model's plan
+    (hf_moe.decode_one_op): the prompt runs through the model's forward, filling the static cache, then every new
+    token through the plan over that cache. Needs `cache_implementation="static"` and a model the one-op step serves
+    (`hf_moe.generate` passes both where they apply; here, anything else is refused with the reason).
+
+    input_ids [B, T] -> the sequences [B, T + new], or a `GenerateDecoderOnlyOutput` with `scores` and `logits`
+    where the generation config asks for them (`return_dict_in_generate`), as `_sample` returns them."""
+    from transformers.generation import GenerateDecoderOnlyOutput
+
+    cache = model_kwargs.get(CACHE_NAME)
+    choice = choose_decode(model, input_ids.shape[0])
+    if choice.engine != ONE_OP:
+        raise ValueError(f"The one-op decode step cannot decode this call: {choice.reason}. Call model.generate "
+                         "without custom_generate (hf_moe.generate(model, ...) chooses by itself).")
+    if generation_config.prefill_chunk_size is not None or generation_config.output_attentions or (
+            generation_config.output_hidden_states):
+        raise ValueError("The one-op decode step gives logits only: drop prefill_chunk_size, output_attentions and "
+                         "output_hidden_states, or call model.generate without custom_generate.")
+    # The prompt: the model's own forward (transformers' prefill of a fresh cache)
+    inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
+    logits = model(**inputs, return_dict=True).logits[:, -1].to(copy=True, dtype=torch.float32)
+    layers = static_cache_layers(cache)
+    if layers is None or layers[0][0].shape[0] != input_ids.shape[0]:
+        raise ValueError("The one-op decode step needs transformers' static cache: pass cache_implementation="
+                         "\"static\" (hf_moe.generate(model, ...) does).")
+    plan = plan_for(model)
+    batch, length = input_ids.shape[0], layers[0][0].shape[2]
+    attention, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    mask = None  # [B, L] bool: the cache positions each row attends to (None: every one written, no padding)
+    if attention is not None:
+        mask = torch.zeros(batch, length, dtype=torch.bool, device=input_ids.device)
+        mask[:, :attention.shape[1]] = attention.bool()
+    if positions is None:
+        positions = (attention.long().cumsum(-1) - 1 if attention is not None
+                     else torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch, -1))
+    positions = positions[:, -1:].clone()  # [B, 1]
+
+    pad = pad_token_tensor(generation_config)
+    stops_at_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+    as_dict = generation_config.return_dict_in_generate
+    scores = () if as_dict and generation_config.output_scores else None
+    raw_logits = () if as_dict and generation_config.output_logits else None
+    while True:
+        next_scores = logits_processor(input_ids, logits)
+        if scores is not None:
+            scores += (next_scores,)
+        if raw_logits is not None:
+            raw_logits += (logits,)
+        if generation_config.do_sample:
+            tokens = torch.multinomial(torch.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            tokens = torch.argmax(next_scores, dim=-1)
+        if stops_at_eos:  # finished rows get padding
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        if one_op_streamer is not None:
+            one_op_streamer.put(tokens.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if unfinished.max() == 0:
+            break
+        at = input_ids.shape[1] - 1  # the cache position the new token is written at
+        if at >= length:
+            raise ValueError(f"The static cache holds {length} positions; this call needs more (max_cache_len).")
+        positions += 1
+        if mask is not None:
+            mask[:, at] = True
+        logits = plan(tokens[:, None], positions, mask, layers)[:, -1].to(dtype=torch.float32)
+    if one_op_streamer is not None:
+        one_op_streamer.end()
+    if as_dict:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, attentions=None,
+                                         hidden_states=None, **{CACHE_NAME: cache})
+    return input_ids

@@ -2,7 +2,7 @@
 
 A decode step reads every weight it uses once, from memory: the quickstart's model streams 409 MiB per token, so the
 step runs at the speed memory is read. Read through 4 KiB pages, every 4 KiB of weights costs a TLB entry; through
-2 MiB pages, 512 times fewer, so memory is read faster and the one-op decode step (hf_moe.decode_native) that
+2 MiB pages, 512 times fewer, so memory is read faster and the one-op decode step (hf_moe.decode_one_op) that
 streams the weights runs faster with them on huge pages (docs/serving-cpu.md, "Huge pages", has the measurements).
 
 Where transparent huge pages are left to `madvise` (the usual default), nothing backs a tensor's memory with them

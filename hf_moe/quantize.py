@@ -39,7 +39,7 @@ from .checkpoint import (
 )
 from .checkpoint.guard import safe_open_file
 from .checkpoint.headers import read_header
-from .decode_native import drop_plan
+from .decode_one_op import drop_plan
 from .layers import Experts
 from .layers.adapter_experts import AdapterExperts
 from .layers.quantized import CONFIG_FIELD, QuantizedExperts, check_group_size

@@ -253,11 +253,11 @@ def pytest_terminal_summary(terminalreporter):
 def plans(monkeypatch):
     """Every plan of the one-op decode step built (one per model, and again when its weights change), each counting
     its calls: a list that fills as plans are made."""
-    import hf_moe.decode_native
+    import hf_moe.decode_one_op
 
     made = []
 
-    class Recording(hf_moe.decode_native.DecodePlan):
+    class Recording(hf_moe.decode_one_op.DecodePlan):
         def __init__(self, *args):
             super().__init__(*args)
             self.calls = 0
@@ -267,5 +267,5 @@ def plans(monkeypatch):
             self.calls += 1
             return super().__call__(*args)
 
-    monkeypatch.setattr(hf_moe.decode_native, "DecodePlan", Recording)
+    monkeypatch.setattr(hf_moe.decode_one_op, "DecodePlan", Recording)
     return made

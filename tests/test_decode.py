@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, Genera
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import hf_moe
-from hf_moe.decode_native import DecodePlan as native_plan
+from hf_moe.decode_one_op import DecodePlan as one_op_plan
 from hf_moe.generation import (
     MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
 )
@@ -31,9 +31,9 @@ def converted(seed: int = 0):
     return hf_moe.convert_to_moe(tiny_dense(seed=seed), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
 
 
-# The compiled fused step (hf_moe.decode), where the one-op step (hf_moe.decode_native, tests/test_decode_native.py)
+# The compiled fused step (hf_moe.decode), where the one-op step (hf_moe.decode_one_op, tests/test_decode_one_op.py)
 # would otherwise run and compile nothing: the tests of compilation itself use it.
-COMPILED = {"cache_implementation": "static", "compile_config": decode_compile_config(native=False)}
+COMPILED = {"cache_implementation": "static", "compile_config": decode_compile_config(one_op=False)}
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: the plain call may run the one-op step
 
 
@@ -282,7 +282,7 @@ def converted_family(model_type: str, seed: int = 0, layers=None):
 def test_the_fused_step_says_which_models_it_runs_and_why_not_the_others():
     from hf_moe.decode import choose_decode
 
-    config = decode_compile_config(native=False)
+    config = decode_compile_config(one_op=False)
     for family in ("llama", "qwen2", "qwen3"):
         assert choose_decode(converted_family(family), 1, config).engine == "fused", family
     choice = choose_decode(converted_family("mistral"), 1, config)  # tiny mistral: sliding_window=6
@@ -319,23 +319,23 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("native", [False, True], ids=["compiled", "one_op"])
-def test_int8_linears_decode_fused_with_the_eager_int8_tokens(native, monkeypatch):
+@pytest.mark.parametrize("one_op", [False, True], ids=["compiled", "one_op"])
+def test_int8_linears_decode_fused_with_the_eager_int8_tokens(one_op, monkeypatch):
     """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; the fused step
     runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens,
-    compiled and as one op (hf_moe.decode_native)."""
+    compiled and as one op (hf_moe.decode_one_op)."""
     torch.compiler.reset()
     moe = converted().to(torch.bfloat16)
     hf_moe.quantize_experts(moe, "int8", linears=True)
     ids = random_ids(1, 10, seed=4)
     with torch.compiler.set_stance("force_eager"):
         eager = greedy(moe, ids, 6, **EAGER)
-    from hf_moe import decode_native
+    from hf_moe import decode_one_op
 
     made = []
-    monkeypatch.setattr(decode_native, "DecodePlan", lambda *a: made.append(a) or native_plan(*a))
-    fast = greedy(moe, ids, 6, cache_implementation="static", compile_config=decode_compile_config(native=native))
-    assert moe._hf_moe_decode_steps[0][1] is not None and len(made) == native
+    monkeypatch.setattr(decode_one_op, "DecodePlan", lambda *a: made.append(a) or one_op_plan(*a))
+    fast = greedy(moe, ids, 6, cache_implementation="static", compile_config=decode_compile_config(one_op=one_op))
+    assert moe._hf_moe_decode_steps[0][1] is not None and len(made) == one_op
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
 
@@ -361,7 +361,7 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     moe = converted().to(torch.bfloat16)
     ids = random_ids(1, 10, seed=4)
     cache = StaticCache(config=moe.config, max_cache_len=64)
-    reused = {CACHE_NAME: cache, "compile_config": decode_compile_config(native=False)}
+    reused = {CACHE_NAME: cache, "compile_config": decode_compile_config(one_op=False)}
     greedy(moe, ids, 5, **reused)
     assert len(skipped) == 3  # 5 tokens: the prefill's, then 4 decode steps, the first of them checked
     hf_moe.quantize_experts(moe, "int8", linears=True)  # new modules: the bf16 graph no longer fits
@@ -372,7 +372,7 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
     assert len(skipped) == 3 + 4
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
-    checked = greedy(moe, ids, 6, compile_config=decode_compile_config(skip_guards=False, native=False),
+    checked = greedy(moe, ids, 6, compile_config=decode_compile_config(skip_guards=False, one_op=False),
                      cache_implementation="static")  # (servers that run compiled code from several threads)
     assert len(skipped) == 3 + 4 and torch.equal(checked.sequences, eager.sequences)
 

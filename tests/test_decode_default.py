@@ -1,7 +1,7 @@
 """The plain call is the fast path (hf_moe.generation.prepare_generate_kwargs, hf_moe.decode.choose_decode):
 
 - `model.generate(**inputs)` with no cache arguments, `pipeline("text-generation")` and `hf-moe generate` with its
-  defaults run the one-op step (hf_moe.decode_native) wherever it serves the model, with nothing compiled, and give
+  defaults run the one-op step (hf_moe.decode_one_op) wherever it serves the model, with nothing compiled, and give
   the eager model's tokens and scores (fp32 and bf16 activations, a left-padded batch);
 - where only a compiled step would serve, the plain call stays eager, compiles nothing, and says why (INFO log);
 - an explicit choice of the caller (a cache implementation, a compile config, a cache, extra outputs) is obeyed;
@@ -18,11 +18,12 @@ import threading
 
 import pytest
 import torch
-from transformers import CompileConfig, DynamicCache, pipeline
+from transformers import CompileConfig, DynamicCache, StaticCache, pipeline
 
 import hf_moe
+from hf_moe.compat import CACHE_NAME, static_cache_layers
 from hf_moe.decode import choose_decode
-from hf_moe.decode_native import PLAN
+from hf_moe.decode_one_op import PLAN
 from hf_moe.generation import decode_compile_config, prepare_generate_kwargs
 
 from conftest import random_ids, tiny_dense, tiny_tokenizer
@@ -212,13 +213,13 @@ def test_two_threads_generating_on_one_model_both_get_the_eager_answers(plans):
 
 def test_the_plan_names_its_fields_and_refuses_missing_or_misfit_ones():
     """The plan's fields cross into C++ by name, checked once when the plan is built (not at every step)."""
-    from hf_moe.decode_native import layer_fields, model_fields
+    from hf_moe.decode_one_op import layer_fields, model_fields
 
     moe = model_with("int8")
     tensors, settings = model_fields(moe)
     layer, numbers, names = layer_fields(moe.model.layers[0], torch.float32)
     assert {"input_norm", "q.weight", "k.bias", "router", "w1", "w2_scale"} <= set(layer)
-    assert set(numbers) == {"head_dim", "eps", "qk_eps", "scaling", "post_eps"} and names == {}
+    assert set(numbers) == {"head_dim", "eps", "qk_eps", "scaling", "post_eps", "router_in_dtype"} and names == {}
 
     def build(layer_tensors):
         plan = torch.classes.hf_moe.DecodePlan(
@@ -235,3 +236,33 @@ def test_the_plan_names_its_fields_and_refuses_missing_or_misfit_ones():
         build(dict(layer, **{"o.weight": layer["o.weight"][:, :-2].contiguous()}))
     with pytest.raises(RuntimeError, match="router weight must be"):
         build(dict(layer, router=layer["router"][:, :-1]))
+
+
+def test_a_step_reuses_the_plans_workspace():
+    """The plan's workspace (the router's logits and softmax, the routing weights, the experts' output and host
+    buffers, the final norm, the attention sub-block's) is made once for the largest batch seen: later steps, of that
+    batch or a smaller one, compute in the same memory, and one step allocates only the logits it returns."""
+    moe = model_with("int8")
+    ids = random_ids(2, 5)
+    greedy(moe, ids, 3)
+    plan = moe.__dict__[PLAN]
+    first = plan.op.workspace_addresses()
+    assert 0 not in first
+    greedy(moe, random_ids(2, 6, seed=1), 4)
+    assert plan.op.workspace_addresses() == first
+    greedy(moe, ids[:1], 3)  # a smaller batch: views of the same buffers
+    assert plan.op.workspace_addresses() == first
+
+    # one step by hand, its allocations (through torch's allocator) counted by the profiler
+    cache = StaticCache(config=moe.config, max_cache_len=16)
+    moe(ids, **{CACHE_NAME: cache})
+    layers = static_cache_layers(cache)
+    step = (ids[:, -1:].contiguous(), torch.full((2, 1), 5), None, layers)
+    plan(*step)  # the batch's views taken
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        plan(*step)
+    allocated = [e.cpu_memory_usage for e in prof.events()
+                 if e.name in ("aten::empty", "aten::empty_strided") and e.cpu_memory_usage > 0]
+    logits = 2 * moe.config.vocab_size * 4
+    # the logits, and the 0-dim scalars ATen wraps the final norm's numbers in (as the eager norm does)
+    assert logits in allocated and sum(allocated) - logits <= 16, allocated

@@ -176,11 +176,18 @@ at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const
   }
   auto out = at::empty({n, w.out}, x.options());
   if (n == 0) return out;
-  const Kernels& kn = serve::serve_kernels(std::string(kernels));
-  const auto xc = x.contiguous();
-  const Values val{x.scalar_type() == at::kBFloat16};
-  // The activations as the kernels read them: fp32 (fp32 and int8 weights) or bf16 bits (bf16 weights).
   std::vector<float> widened;
+  linear_into(w, x.contiguous(), kernels, widened, out);
+  return out;
+}
+
+void linear_into(const LinearWeight& w, const at::Tensor& xc, c10::string_view kernels, std::vector<float>& widened,
+                 at::Tensor& out) {
+  const int64_t n = xc.size(0);
+  if (n == 0) return;
+  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const Values val{xc.scalar_type() == at::kBFloat16};
+  // The activations as the kernels read them: fp32 (fp32 and int8 weights) or bf16 bits (bf16 weights).
   const float* xf = val.bf16 ? nullptr : xc.data_ptr<float>();
   if (val.bf16 && w.dtype == at::kChar) {
     widened.resize(n * w.k);
@@ -192,7 +199,8 @@ at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const
   void* o = out.data_ptr();
 #pragma omp parallel num_threads(threads_for(blocks))
   {
-    std::vector<float> tile(n * kRowBlock);
+    thread_local std::vector<float> tile;  // kept per thread: a decode step allocates nothing here
+    if (static_cast<int64_t>(tile.size()) < n * kRowBlock) tile.resize(n * kRowBlock);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, w.out - r0);
@@ -201,7 +209,6 @@ at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const
         for (int64_t j = 0; j < rows; ++j) val.store(o, m * w.out + r0 + j, tile[m * kRowBlock + j]);
     }
   }
-  return out;
 }
 
 namespace {

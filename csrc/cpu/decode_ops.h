@@ -8,6 +8,7 @@
 #include <c10/util/string_view.h>
 
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -78,6 +79,32 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& position,
     const c10::optional<at::Tensor>& mask, double scaling, const at::Tensor& post_norm, double post_eps,
     c10::string_view kernels);
+
+// The host-side buffers of moe_experts_infer (serve_cpu.cpp), kept across calls by the decode plan.
+struct ExpertsWorkspace;
+using ExpertsWorkspacePtr = std::shared_ptr<ExpertsWorkspace>;
+ExpertsWorkspacePtr make_experts_workspace();
+
+// The experts' weights checked against each other and hidden size `hid` (what moe_experts_infer checks each call).
+void check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
+                   const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                   const c10::optional<at::Tensor>& w2_scale, const c10::optional<at::Tensor>& b2, int64_t hid,
+                   bool glu);
+
+// moe_experts_infer on checked weights (`check_experts`) into `out` [N, H] (x's dtype): x [N, H] contiguous, the
+// pairs' expert ids `id` and fp32 weights `wp` ([N, top_k] each, row-major), fp32 biases or undefined tensors; its
+// host buffers are `ws`'s.
+void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float* wp, int64_t top_k,
+                            const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const at::Tensor& bias1,
+                            const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale, const at::Tensor& bias2,
+                            c10::string_view activation, bool glu, c10::string_view kernels, ExpertsWorkspace& ws,
+                            at::Tensor& out);
+
+// linear_infer of a checked weight (`linear_weight`) for x [N, K] contiguous, N <= 16 (the decode kernels), into
+// out [N, O] (x's dtype); `widened` holds bf16 activations widened to fp32 for an int8 weight.
+void linear_into(const LinearWeight& w, const at::Tensor& x, c10::string_view kernels, std::vector<float>& widened,
+                 at::Tensor& out);
+constexpr int64_t kLinearIntoRows = 16;
 
 at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
                                  const at::Tensor& top_k_weights, const at::Tensor& w1,

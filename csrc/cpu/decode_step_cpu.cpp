@@ -8,13 +8,16 @@
 //
 // Every field is passed by name (a dict of tensors, a dict of numbers; a tensor the layer does not have is left
 // out), read in one place (`LayerPlan`, `DecodePlan`'s constructor) and checked there, once: the weights against
-// each other, the router cast to fp32, the biases to the activations' dtype. A step only computes: the embedding
-// row; per layer the attention sub-block (attention_block, on the plan's workspace), then an MoE block (the eager
-// router's fp32 logits and softmax by ATen's kernels, top-k, renormalisation and cast: moe_block; the experts,
-// moe_experts_infer_cpu; the shared experts, optionally gated, by the kernels their eager modules call) or a dense
-// MLP (DenseMLP), and the residual add; then the final norm and the LM head (linear_infer_cpu). Per call it
+// each other, the router cast to fp32 (hf_moe's routers; transformers' compute their logits in the activations'
+// dtype: `router_in_dtype`), the biases to the activations' dtype. A step only computes: the embedding row; per
+// layer the attention sub-block (attention_block, on the plan's workspace), then an MoE block (the eager router's
+// logits and fp32 softmax by ATen's kernels into the workspace, top-k, renormalisation and cast: moe_block; the
+// experts, moe_experts_infer_into on the plan's experts workspace; the shared experts, optionally gated, by the
+// kernels their eager modules call) or a dense MLP (DenseMLP, ATen's kernels: they allocate their results), and the
+// residual add; then the final norm (ATen's kernels into the workspace) and the LM head (linear_into). Per call it
 // checks only what the call brings (ids, caches, mask). The plan's buffers are made for the largest batch seen and
-// reused; one step runs at a time (a mutex: two threads may share a plan). `cos` and `sin` are the rotary
+// reused, and allocate nothing once made; the logits a step returns are its one new tensor (the caller keeps them,
+// and threads may share the plan). One step runs at a time (a mutex). `cos` and `sin` are the rotary
 // embedding's values for every position the cache holds; a row's values are those of its position id. The caches
 // are written at each layer's length, which grows by one (as the compiled step's `length.add_(1)`).
 
@@ -131,13 +134,16 @@ struct DenseMLP {
 struct LayerPlan {
   AttentionWeights attention;
   bool moe = false;  // an MoE block (router, experts, optional shared experts), else a dense MLP (`mlp`)
-  at::Tensor router;  // fp32 [E, H]
+  at::Tensor router;  // [E, H]: fp32, or the activations' dtype where `router_in_dtype`
+  bool router_in_dtype = false;  // logits in the activations' dtype (transformers' routers), else fp32 (hf_moe's)
   at::Tensor w1, w2;
-  c10::optional<at::Tensor> w1_scale, w2_scale, b1, b2;
+  c10::optional<at::Tensor> w1_scale, w2_scale;
+  at::Tensor b1, b2;  // fp32 (the activations' dtype's values, as the eager experts cast them), or undefined
   c10::optional<DenseMLP> mlp, shared;  // the dense layer's MLP; the MoE block's shared experts
   at::Tensor shared_gate;               // [1, H]: the shared experts' output scaled by sigmoid(x . gate), or undefined
 
-  LayerPlan(const Tensors& t, const Numbers& n, const Names& names, at::ScalarType dt, int64_t i, int64_t top_k) {
+  LayerPlan(const Tensors& t, const Numbers& n, const Names& names, at::ScalarType dt, int64_t i, int64_t top_k,
+            bool glu) {
     attention = attention_weights(
         dt, static_cast<int64_t>(number(n, "head_dim", i)), need(t, "input_norm", i), number(n, "eps", i),
         need(t, "q.weight", i), maybe(t, "q.scale"), maybe(t, "q.bias"), need(t, "k.weight", i), maybe(t, "k.scale"),
@@ -157,7 +163,9 @@ struct LayerPlan {
                   "DecodePlan: layer ", i, "'s shared expert gate must be a [1, ", attention.hidden, "] ", dt,
                   " weight of a layer with shared experts");
     }
-    router = need(t, "router", i).to(at::kFloat).contiguous();
+    const auto in_dtype = n.find("router_in_dtype");
+    router_in_dtype = in_dtype != n.end() && in_dtype->value() != 0.0;
+    router = need(t, "router", i).to(router_in_dtype ? dt : at::kFloat).contiguous();
     TORCH_CHECK(router.dim() == 2 && router.size(1) == attention.hidden && router.size(0) >= top_k,
                 "DecodePlan: layer ", i, "'s router weight must be [E, ", attention.hidden, "] with E >= top_k = ",
                 top_k, ", got ", router.sizes());
@@ -165,8 +173,10 @@ struct LayerPlan {
     w2 = need(t, "w2", i).contiguous();
     w1_scale = maybe(t, "w1_scale");
     w2_scale = maybe(t, "w2_scale");
-    b1 = cast(maybe(t, "b1"), dt);
-    b2 = cast(maybe(t, "b2"), dt);
+    const auto bias1 = cast(maybe(t, "b1"), dt), bias2 = cast(maybe(t, "b2"), dt);
+    check_experts(w1, w1_scale, bias1, w2, w2_scale, bias2, attention.hidden, glu);
+    if (bias1.has_value()) b1 = bias1->to(at::kFloat).contiguous();
+    if (bias2.has_value()) b2 = bias2->to(at::kFloat).contiguous();
     TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3 && w1.size(0) == router.size(0) && w2.size(0) == router.size(0) &&
                     w1.size(2) == attention.hidden && w2.size(1) == attention.hidden,
                 "DecodePlan: layer ", i, "'s experts must be w1 [E, W, ", attention.hidden, "] and w2 [E, ",
@@ -200,13 +210,24 @@ class DecodePlan : public torch::CustomClassHolder {
 
   void add_layer(Tensors tensors, Numbers numbers, Names names) {
     const int64_t i = static_cast<int64_t>(layers_.size());
-    layers_.emplace_back(tensors, numbers, names, dtype_, i, top_k_);
+    layers_.emplace_back(tensors, numbers, names, dtype_, i, top_k_, glu_);
     if (layers_.back().moe) experts_ = std::max<int64_t>(experts_, layers_.back().router.size(0));
     TORCH_CHECK(layers_.back().attention.hidden == embed_.size(1), "DecodePlan: layer ", i, " works on hidden size ",
                 layers_.back().attention.hidden, ", the embedding gives ", embed_.size(1));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The data addresses of the workspace's tensors (what a test checks stays put from step to step).
+  std::vector<int64_t> workspace_addresses() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<int64_t> out;
+    for (const at::Tensor* t : {&hidden_, &attended_, &normed_, &cos_rows_, &sin_rows_, &index_, &weights_,
+                                &router_x_, &logits_, &probs_t_, &experts_out_, &final_h_, &final_sq_, &final_var_,
+                                &final_out_})
+      out.push_back(t->defined() ? reinterpret_cast<int64_t>(t->data_ptr()) : 0);
+    return out;
+  }
 
   at::Tensor step(at::Tensor input_ids, at::Tensor position_ids, c10::optional<at::Tensor> mask, at::Tensor cos,
                   at::Tensor sin, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
@@ -238,28 +259,56 @@ class DecodePlan : public torch::CustomClassHolder {
       const at::Tensor out = layer.moe ? moe_block(layer, i) : (*layer.mlp)(normed_);
       add(attended_, out, hidden_);  // the next layer's input
     }
-    // The final norm as transformers' LlamaRMSNorm computes it, with ATen's kernels (the eager model's bits)
-    const at::Tensor h = hidden_.to(at::kFloat);
-    const at::Tensor normed = final_norm_ * (h * at::rsqrt(h.pow(2).mean(-1, true) + final_eps_)).to(dtype_);
-    return linear_infer_cpu(normed, head_.weight, head_scale_, head_bias_, "auto").unsqueeze(1);  // [B, 1, V]
+    // The final norm as transformers' LlamaRMSNorm computes it, with ATen's kernels (the eager model's bits):
+    // weight * dtype(h * rsqrt(mean(h^2) + eps)), h = fp32(hidden), each into the workspace
+    final_h_.copy_(hidden_);
+    at::pow_out(final_sq_, final_h_, 2);
+    at::mean_out(final_var_, final_sq_, at::IntArrayRef{-1}, true);
+    final_var_.add_(final_eps_).rsqrt_();
+    at::mul_out(final_sq_, final_h_, final_var_);
+    final_out_.copy_(final_sq_);
+    at::mul_out(final_out_, final_norm_, final_out_);
+    if (batch > kLinearIntoRows)  // more rows than the decode kernels take: linear_infer's GEMM (it allocates)
+      return linear_infer_cpu(final_out_, head_.weight, head_scale_, head_bias_, "auto").unsqueeze(1);
+    at::Tensor logits = at::empty({batch, head_.out}, embed_.options());  // the step's result, the caller's to keep
+    linear_into(head_, final_out_, "auto", widened_, logits);
+    return logits.unsqueeze(1);  // [B, 1, V]
   }
 
  private:
-  // The step's tensors for a batch of `batch` rows, made when the batch changes.
+  // The step's tensors for a batch of `batch` rows: views of buffers made for the largest batch seen (made again
+  // only when a larger batch comes), taken again only when the batch changes.
   void buffers(int64_t batch) {
     if (batch_ == batch) return;
     const auto options = embed_.options();
-    const int64_t h = embed_.size(1), d = layers_[0].attention.head_dim;
-    hidden_ = at::empty({batch, h}, options);
-    attended_ = at::empty({batch, h}, options);
-    normed_ = at::empty({batch, h}, options);
-    cos_rows_ = at::empty({batch, d}, options);
-    sin_rows_ = at::empty({batch, d}, options);
-    index_ = at::empty({batch, top_k_}, options.dtype(at::kLong));
-    weights_ = at::empty({batch, top_k_}, options);
+    const auto f32 = options.dtype(at::kFloat);
+    const int64_t h = embed_.size(1), d = layers_[0].attention.head_dim, e = std::max<int64_t>(experts_, 1);
+    if (batch > capacity_) {
+      store_ = {at::empty({batch, h}, options),         at::empty({batch, h}, options),
+                at::empty({batch, h}, options),         at::empty({batch, d}, options),
+                at::empty({batch, d}, options),         at::empty({batch, top_k_}, options.dtype(at::kLong)),
+                at::empty({batch, top_k_}, f32),        at::empty({batch, h}, f32),
+                at::empty({batch * e}, f32),            at::empty({batch * e}, f32),
+                at::empty({batch * e}, options),        at::empty({batch, h}, options),
+                at::empty({batch, h}, f32),             at::empty({batch, h}, f32),
+                at::empty({batch, 1}, f32),             at::empty({batch, h}, options)};
+      capacity_ = batch;
+    }
+    at::Tensor* views[] = {&hidden_,   &attended_,    &normed_,  &cos_rows_, &sin_rows_, &index_,
+                           &weights_,  &router_x_,    &logits_,  &probs_t_,  &logits_dt_, &experts_out_,
+                           &final_h_,  &final_sq_,    &final_var_, &final_out_};
+    for (size_t j = 0; j < store_.size(); ++j) {
+      const at::Tensor& full = store_[j];
+      *views[j] = full.dim() == 1 ? full : full.narrow(0, 0, batch);  // (flat ones: viewed per layer's experts)
+    }
     probs_.resize(experts_);
     top_.resize(top_k_);
     batch_ = batch;
+  }
+
+  // [rows, experts] of a flat buffer (its first rows * experts values): the layer's router logits or probabilities.
+  static at::Tensor rows_of(const at::Tensor& flat, int64_t rows, int64_t experts) {
+    return flat.narrow(0, 0, rows * experts).view({rows, experts});
   }
 
   // The routed experts' output [B, H] for the MLP input normed_ [B, H], routed as the eager TopKRouter routes: fp32
@@ -267,8 +316,20 @@ class DecodePlan : public torch::CustomClassHolder {
   // larger value first, the lower expert first among equal ones), divided by their sum where `norm_topk_prob`, cast
   // to the activations' dtype.
   at::Tensor moe_block(const LayerPlan& layer, int64_t i) {
-    const at::Tensor softmax = at::softmax(at::linear(normed_.to(at::kFloat), layer.router), -1).contiguous();
-    const int64_t rows = softmax.size(0), experts = softmax.size(1);
+    const int64_t rows = normed_.size(0), experts = layer.router.size(0);
+    at::Tensor softmax = rows_of(probs_t_, rows, experts);
+    if (layer.router_in_dtype) {  // transformers' routers: softmax(float(x @ router^T)), the product in x's dtype
+      at::Tensor logits = rows_of(logits_dt_, rows, experts);
+      at::mm_out(logits, normed_, layer.router.t());
+      at::Tensor wide = rows_of(logits_, rows, experts);
+      wide.copy_(logits);
+      at::_softmax_out(softmax, wide, -1, false);
+    } else {  // hf_moe's TopKRouter: softmax(float(x) @ router^T), in fp32
+      const at::Tensor& x = dtype_ == at::kFloat ? normed_ : router_x_.copy_(normed_);
+      at::Tensor logits = rows_of(logits_, rows, experts);
+      at::mm_out(logits, x, layer.router.t());
+      at::_softmax_out(softmax, logits, -1, false);
+    }
     TORCH_CHECK(experts <= static_cast<int64_t>(probs_.size()), "DecodePlan: layer ", i, " has ", experts,
                 " experts, more than the plan's ", probs_.size());
     int64_t* idx = index_.data_ptr<int64_t>();
@@ -285,14 +346,14 @@ class DecodePlan : public torch::CustomClassHolder {
         total += top_[j];
         if (best >= 0) probs_[best] = -1.0f;  // taken
       }
-      for (int64_t j = 0; j < top_k_; ++j) {
+      for (int64_t j = 0; j < top_k_; ++j) {  // rounded to the activations' dtype, as the eager experts get them
         const float w = norm_topk_prob_ ? top_[j] / total : top_[j];
-        if (bf16) weights_.data_ptr<at::BFloat16>()[b * top_k_ + j] = at::BFloat16(w);
-        else weights_.data_ptr<float>()[b * top_k_ + j] = w;
+        weights_.data_ptr<float>()[b * top_k_ + j] = bf16 ? static_cast<float>(at::BFloat16(w)) : w;
       }
     }
-    const at::Tensor out = moe_experts_infer_cpu(normed_, index_, weights_, layer.w1, layer.w1_scale, layer.b1,
-                                                 layer.w2, layer.w2_scale, layer.b2, activation_, glu_, "auto");
+    at::Tensor& out = experts_out_;
+    moe_experts_infer_into(normed_, idx, weights_.data_ptr<float>(), top_k_, layer.w1, layer.w1_scale, layer.b1,
+                           layer.w2, layer.w2_scale, layer.b2, activation_, glu_, "auto", *experts_ws_, out);
     if (!layer.shared.has_value()) return out;
     // The shared experts as the eager block adds them: out + sigmoid(gate(x)) * shared(x), ATen's kernels
     at::Tensor shared = (*layer.shared)(normed_);
@@ -328,11 +389,14 @@ class DecodePlan : public torch::CustomClassHolder {
   std::vector<LayerPlan> layers_;
   int64_t experts_ = 0;  // the most experts of any MoE layer
   std::mutex mutex_;
-  // The workspace: made for the batch of the last step, reused while it stays.
-  int64_t batch_ = -1;
-  at::Tensor hidden_, attended_, normed_, cos_rows_, sin_rows_, index_, weights_;
-  std::vector<float> probs_, top_;
+  // The workspace: buffers for the largest batch seen (store_), viewed for the last step's batch.
+  int64_t batch_ = -1, capacity_ = 0;
+  std::vector<at::Tensor> store_;
+  at::Tensor hidden_, attended_, normed_, cos_rows_, sin_rows_, index_, weights_, router_x_, logits_, probs_t_,
+      logits_dt_, experts_out_, final_h_, final_sq_, final_var_, final_out_;
+  std::vector<float> probs_, top_, widened_;
   AttentionWorkspace workspace_;
+  ExpertsWorkspacePtr experts_ws_ = make_experts_workspace();
 };
 
 }  // namespace
@@ -342,6 +406,7 @@ TORCH_LIBRARY_FRAGMENT(hf_moe, m) {
       .def(torch::init<Tensors, Numbers, int64_t, bool, std::string, bool>())
       .def("add_layer", &DecodePlan::add_layer)
       .def("num_layers", &DecodePlan::num_layers)
+      .def("workspace_addresses", &DecodePlan::workspace_addresses)
       .def("step", &DecodePlan::step);
 }
 

@@ -155,11 +155,16 @@ int64_t packed_index(int64_t c, int64_t m, int64_t ld) {
 // packed k-major for the GEMM kernels (serve_kernels.h), with `ld` rows (a multiple of 16, zero-padded).
 struct ExpertRows {
   std::vector<int64_t> start, ld;
-  std::vector<bool> packed;
+  std::vector<char> packed;
   int64_t size = 0;
 
-  ExpertRows(const std::vector<int64_t>& offsets, int64_t width) {
+  // Lays out the rows of `offsets` (rebuilt in place: the vectors keep their memory from call to call).
+  void lay_out(const std::vector<int64_t>& offsets, int64_t width) {
     const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+    start.clear();
+    ld.clear();
+    packed.clear();
+    size = 0;
     for (int64_t e = 0; e < experts; ++e) {
       const int64_t rows = offsets[e + 1] - offsets[e];
       const bool gemm = rows >= serve::kGemmRows;
@@ -171,29 +176,59 @@ struct ExpertRows {
   }
 };
 
+}  // namespace
+
+// The host-side buffers of one moe_experts_infer call, kept by a caller that calls it again (the decode plan): they
+// grow to the largest call and are then reused, so a decode step allocates nothing here.
+struct ExpertsWorkspace {
+  std::vector<int64_t> offsets, next, row_token, experts, row_expert;
+  std::vector<float> row_weight, acc, xs_f32, a_f32;
+  std::vector<uint16_t> xs_bf16, a_bf16;
+  ExpertRows x_rows, a_rows;
+};
+
+ExpertsWorkspacePtr make_experts_workspace() { return std::make_shared<ExpertsWorkspace>(); }
+
+namespace {
+
 template <typename T>
-void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& offsets,
-         const std::vector<int64_t>& row_token, const std::vector<float>& row_weight, const at::Tensor& w1,
-         const c10::optional<at::Tensor>& s1, const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-         const c10::optional<at::Tensor>& s2, const c10::optional<at::Tensor>& b2, Activation act, bool glu,
-         at::Tensor& out) {
+std::vector<T>& buffer_of(std::vector<float>& f32, std::vector<uint16_t>& bf16) {
+  if constexpr (std::is_same_v<T, float>) return f32;
+  else return bf16;
+}
+
+// `bias1` and `bias2`: fp32 and contiguous, or undefined.
+template <typename T>
+void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at::Tensor& w1,
+         const c10::optional<at::Tensor>& s1, const at::Tensor& bias1, const at::Tensor& w2,
+         const c10::optional<at::Tensor>& s2, const at::Tensor& bias2, Activation act, bool glu, at::Tensor& out) {
+  const std::vector<int64_t>& offsets = ws.offsets;
+  const std::vector<int64_t>& row_token = ws.row_token;
+  const std::vector<float>& row_weight = ws.row_weight;
   const int64_t n_tokens = x.size(0), hid = x.size(1), num_experts = w1.size(0);
   const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1), m = offsets.back();
   const auto up = weight_rows<T>(w1, s1);
   const auto down = weight_rows<T>(w2, s2);
-  const at::Tensor bias1 = b1.has_value() ? b1->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor bias2 = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
   const float* bias1_p = bias1.defined() ? bias1.data_ptr<float>() : nullptr;
   const float* bias2_p = bias2.defined() ? bias2.data_ptr<float>() : nullptr;
   const bool out_f32 = out.scalar_type() == at::kFloat;
   const bool int8 = w1.scalar_type() == at::kChar;
 
-  const ExpertRows x_rows(offsets, hid), a_rows(offsets, inter);
-  std::vector<T> xs(x_rows.size);  // the pairs' rows of x, grouped by expert, in the compute type (zero-padded)
-  std::vector<T> a(a_rows.size);   // their activations, the input of the second product
-  std::vector<float> acc(out_f32 ? 0 : n_tokens * hid);  // fp32 sums for a bf16 output
-  float* sum = out_f32 ? out.data_ptr<float>() : acc.data();
-  std::vector<int64_t> experts, row_expert(m);
+  ExpertRows& x_rows = ws.x_rows;
+  ExpertRows& a_rows = ws.a_rows;
+  x_rows.lay_out(offsets, hid);
+  a_rows.lay_out(offsets, inter);
+  // the pairs' rows of x, grouped by expert, in the compute type (zero-padded), and their activations
+  std::vector<T>& xs = buffer_of<T>(ws.xs_f32, ws.xs_bf16);
+  std::vector<T>& a = buffer_of<T>(ws.a_f32, ws.a_bf16);
+  xs.assign(x_rows.size, T(0));
+  a.assign(a_rows.size, T(0));
+  ws.acc.resize(out_f32 ? 0 : n_tokens * hid);  // fp32 sums for a bf16 output
+  float* sum = out_f32 ? out.data_ptr<float>() : ws.acc.data();
+  std::vector<int64_t>& experts = ws.experts;
+  std::vector<int64_t>& row_expert = ws.row_expert;
+  experts.clear();
+  row_expert.resize(m);
   int64_t largest = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     if (offsets[e + 1] > offsets[e]) experts.push_back(e);
@@ -357,34 +392,77 @@ void run(const Kernels& kn, const at::Tensor& x, const std::vector<int64_t>& off
 
 }  // namespace
 
-at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
-                                 const at::Tensor& top_k_weights, const at::Tensor& w1,
-                                 const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& b1,
-                                 const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale,
-                                 const c10::optional<at::Tensor>& b2, c10::string_view activation, bool glu,
-                                 c10::string_view kernels) {
-  const Kernels& kn = serve::serve_kernels(std::string(kernels));
-  const Activation act = parse_activation(std::string(activation));
-  TORCH_CHECK(hidden_states.dim() == 2, "moe_experts_infer: hidden_states must be [N, H], got ", hidden_states.sizes());
-  TORCH_CHECK(hidden_states.scalar_type() == at::kFloat || hidden_states.scalar_type() == at::kBFloat16,
-              "moe_experts_infer: hidden_states must be fp32 or bf16, got ", hidden_states.scalar_type());
+void check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
+                   const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                   const c10::optional<at::Tensor>& w2_scale, const c10::optional<at::Tensor>& b2, int64_t hid,
+                   bool glu) {
   const auto wt = w1.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "moe_experts_infer: expert weights must be "
               "fp32, bf16 or int8 (with scales), got ", wt);
   TORCH_CHECK(w2.scalar_type() == wt, "moe_experts_infer: w1 is ", wt, " but w2 is ", w2.scalar_type());
   TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3 && w1.is_contiguous() && w2.is_contiguous(),
               "moe_experts_infer: w1 [E, W, H] and w2 [E, H, I] must be contiguous 3-D tensors");
-  const int64_t n_tokens = hidden_states.size(0), hid = hidden_states.size(1), num_experts = w1.size(0);
+  const int64_t num_experts = w1.size(0);
   const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1);
   TORCH_CHECK(w1.size(2) == hid && w2.size(0) == num_experts && w2.size(1) == hid && w2.size(2) == inter &&
-              (!glu || w1.size(1) % 2 == 0), "moe_experts_infer: shapes do not match: hidden_states ",
-              hidden_states.sizes(), ", w1 ", w1.sizes(), ", w2 ", w2.sizes(), glu ? " (GLU)" : "");
+              (!glu || w1.size(1) % 2 == 0), "moe_experts_infer: shapes do not match: hidden size ", hid,
+              ", w1 ", w1.sizes(), ", w2 ", w2.sizes(), glu ? " (GLU)" : "");
   check_scale(w1_scale, w1, "w1");
   check_scale(w2_scale, w2, "w2");
   TORCH_CHECK(!b1.has_value() || (b1->dim() == 2 && b1->size(0) == num_experts && b1->size(1) == w1.size(1)),
               "moe_experts_infer: b1 must be [E, W]");
   TORCH_CHECK(!b2.has_value() || (b2->dim() == 2 && b2->size(0) == num_experts && b2->size(1) == hid),
               "moe_experts_infer: b2 must be [E, H]");
+}
+
+void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float* wp, int64_t top_k,
+                            const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const at::Tensor& bias1,
+                            const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale, const at::Tensor& bias2,
+                            c10::string_view activation, bool glu, c10::string_view kernels, ExpertsWorkspace& ws,
+                            at::Tensor& out) {
+  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const Activation act = parse_activation(std::string(activation));
+  const int64_t n_tokens = x.size(0), num_experts = w1.size(0), pairs = n_tokens * top_k;
+  if (n_tokens == 0) return;
+  // Group the pairs by expert (a stable counting sort on the host: N k numbers, nothing next to the GEMMs).
+  // Pairs with an id outside [0, E) are dropped: they contribute nothing.
+  std::vector<int64_t>& offsets = ws.offsets;
+  offsets.assign(num_experts + 1, 0);
+  for (int64_t s = 0; s < pairs; ++s)
+    if (id[s] >= 0 && id[s] < num_experts) ++offsets[id[s] + 1];
+  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
+  ws.next.assign(offsets.begin(), offsets.end() - 1);
+  ws.row_token.resize(offsets.back());
+  ws.row_weight.resize(offsets.back());
+  for (int64_t s = 0; s < pairs; ++s) {
+    if (id[s] < 0 || id[s] >= num_experts) continue;
+    const int64_t r = ws.next[id[s]]++;
+    ws.row_token[r] = s / top_k;
+    ws.row_weight[r] = wp[s];
+  }
+  if (offsets.back() == 0) {
+    out.zero_();
+    return;
+  }
+  const auto wt = w1.scalar_type();
+  const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16);
+  if (bf16) run<uint16_t>(kn, x, ws, w1, w1_scale, bias1, w2, w2_scale, bias2, act, glu, out);
+  else run<float>(kn, x, ws, w1, w1_scale, bias1, w2, w2_scale, bias2, act, glu, out);
+}
+
+at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
+                                 const at::Tensor& top_k_weights, const at::Tensor& w1,
+                                 const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& b1,
+                                 const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale,
+                                 const c10::optional<at::Tensor>& b2, c10::string_view activation, bool glu,
+                                 c10::string_view kernels) {
+  serve::serve_kernels(std::string(kernels));  // an unknown kernel set is refused before the shapes
+  parse_activation(std::string(activation));
+  TORCH_CHECK(hidden_states.dim() == 2, "moe_experts_infer: hidden_states must be [N, H], got ", hidden_states.sizes());
+  TORCH_CHECK(hidden_states.scalar_type() == at::kFloat || hidden_states.scalar_type() == at::kBFloat16,
+              "moe_experts_infer: hidden_states must be fp32 or bf16, got ", hidden_states.scalar_type());
+  const int64_t n_tokens = hidden_states.size(0), hid = hidden_states.size(1);
+  check_experts(w1, w1_scale, b1, w2, w2_scale, b2, hid, glu);
   TORCH_CHECK(top_k_index.dim() == 2 && top_k_index.size(0) == n_tokens && top_k_weights.sizes() == top_k_index.sizes(),
               "moe_experts_infer: top_k_index and top_k_weights must be [N, k] for N = ", n_tokens);
 
@@ -393,29 +471,11 @@ at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tens
   const auto x = hidden_states.contiguous();
   const auto ids = top_k_index.to(at::kLong).contiguous();
   const auto weights = top_k_weights.to(at::kFloat).contiguous();
-  const int64_t top_k = ids.size(1), pairs = ids.numel();
-
-  // Group the pairs by expert (a stable counting sort on the host: N k numbers, nothing next to the GEMMs).
-  // Pairs with an id outside [0, E) are dropped: they contribute nothing.
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* wp = weights.data_ptr<float>();
-  std::vector<int64_t> offsets(num_experts + 1, 0);
-  for (int64_t s = 0; s < pairs; ++s)
-    if (id[s] >= 0 && id[s] < num_experts) ++offsets[id[s] + 1];
-  for (int64_t e = 0; e < num_experts; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1), row_token(offsets.back());
-  std::vector<float> row_weight(offsets.back());
-  for (int64_t s = 0; s < pairs; ++s) {
-    if (id[s] < 0 || id[s] >= num_experts) continue;
-    const int64_t r = next[id[s]]++;
-    row_token[r] = s / top_k;
-    row_weight[r] = wp[s];
-  }
-  if (offsets.back() == 0) return out.zero_();
-
-  const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16);
-  if (bf16) run<uint16_t>(kn, x, offsets, row_token, row_weight, w1, w1_scale, b1, w2, w2_scale, b2, act, glu, out);
-  else run<float>(kn, x, offsets, row_token, row_weight, w1, w1_scale, b1, w2, w2_scale, b2, act, glu, out);
+  const at::Tensor bias1 = b1.has_value() ? b1->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor bias2 = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
+  ExpertsWorkspace ws;
+  moe_experts_infer_into(x, ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.size(1), w1, w1_scale, bias1, w2,
+                         w2_scale, bias2, activation, glu, kernels, ws, out);
   return out;
 }
 

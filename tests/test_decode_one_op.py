@@ -1,4 +1,5 @@
-"""The whole decode step as one op (hf_moe/decode_native.py, `hf_moe::decode_step` in csrc/cpu/decode_step_cpu.cpp):
+"""The whole decode step as one op (hf_moe/decode_one_op.py, `torch.classes.hf_moe.DecodePlan` in
+csrc/cpu/decode_step_cpu.cpp):
 
 - it runs where every layer is one its kernels compute, says why not elsewhere, and then the compiled fused step runs
   (tests/test_decode.py) as before;
@@ -15,7 +16,7 @@ import torch
 
 import hf_moe
 from hf_moe.decode import choose_decode
-from hf_moe.decode_native import PLAN, DecodePlan, max_batch, native_reason
+from hf_moe.decode_one_op import PLAN, DecodePlan, max_batch, one_op_reason
 from hf_moe.generation import decode_compile_config
 
 from conftest import random_ids, tiny_dense
@@ -61,18 +62,18 @@ def one_op_step(model):
 
 def test_the_one_op_step_runs_where_every_layer_allows_it_and_says_why_not_elsewhere():
     for family in ("llama", "qwen2", "qwen3"):
-        assert native_reason(converted(family)) is None, family
+        assert one_op_reason(converted(family)) is None, family
         assert choose_decode(converted(family)).engine == "one_op"
-    assert native_reason(converted().to(torch.bfloat16)) is None
-    assert native_reason(converted(layers=[0, 2])) is None  # layer 1 stays dense: its MLP runs in the plan too
-    assert "router" in native_reason(converted(router_type="noisy_topk"))
+    assert one_op_reason(converted().to(torch.bfloat16)) is None
+    assert one_op_reason(converted(layers=[0, 2])) is None  # layer 1 stays dense: its MLP runs in the plan too
+    assert "router" in one_op_reason(converted(router_type="noisy_topk"))
     skipping = converted()
     skipping.model.layers[2].mlp.gate.skip_threshold = 0.3  # dynamic skipping (config.router_skip_threshold)
-    assert "layer 2's router" in native_reason(skipping)
-    assert native_reason(converted(num_shared_experts=1)) is None
+    assert "layer 2's router" in one_op_reason(skipping)
+    assert one_op_reason(converted(num_shared_experts=1)) is None
     dynamic = converted()
     dynamic.model.rotary_emb.rope_type = "dynamic"  # its cos/sin change with the sequence's length
-    assert "rotary" in native_reason(dynamic)
+    assert "rotary" in one_op_reason(dynamic)
     assert choose_decode(dynamic).engine == "eager"  # the plain call compiles nothing
     assert choose_decode(dynamic, config=decode_compile_config()).engine == "fused"
 
