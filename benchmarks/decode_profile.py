@@ -13,9 +13,9 @@ alike). Modes:
     cpp_wrapper    the same with inductor's C++ wrapper (the kernels called from one C++ function)
     freezing       weights folded into the graph as constants and prepacked for oneDNN
     max_autotune   freezing, plus inductor's CPU GEMM templates (benchmarked against ATen's at compile time)
-    fused          hf_moe's fused decode step (hf_moe.decode): one call of hf_moe::decode_step where the model
-                   allows it (hf_moe.decode_native), else compiled with hf_moe's default options (the C++ wrapper)
-    fused_compiled the fused step compiled, where fused would be one op call (native=False)
+    fused          hf_moe's fused decode step (hf_moe.decode): one call of the model's plan where the model
+                   allows it (hf_moe.decode_one_op), else compiled with hf_moe's default options (the C++ wrapper)
+    fused_compiled the fused step compiled, where fused would be one op call (one_op=False)
     fused_python   the compiled fused step with inductor's Python wrapper
     fused_checked  the compiled fused step with Dynamo's guards checked on every step (fused_compiled: on the first
                    step only); with fused_compiled in the same run, the same compiled program
@@ -116,7 +116,7 @@ class Mode:
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
         if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
             config = decode_compile_config(options=options, skip_guards=settings.get("skip_guards", True),
-                                           native=settings.get("native", True))
+                                           one_op=settings.get("one_op", True))
             step = FusedDecodeStep(self.model, config, None)
             step.compiled = self.programs.setdefault(repr(sorted((options or {}).items())), step.compiled)
             return lambda: step(input_ids=self.token, position_ids=self._positions(),

@@ -3,7 +3,7 @@
     python benchmarks/huge_pages.py --model smollm2-moe-work/smollm2-moe-8x-top2 [--int8 all] [--steps 600]
 
 The model is loaded twice; one copy's weights are asked onto huge pages (`back_with_huge_pages`), the other's are
-left as loaded. Each copy decodes on a static cache of its own with `hf_moe.decode_native.DecodePlan` (what
+left as loaded. Each copy decodes on a static cache of its own with `hf_moe.decode_one_op.DecodePlan` (what
 `generate` runs for it), the two copies alternating step by step, so load on a shared machine hits them alike.
 Printed: each copy's step time (median [20th-80th percentile]) and the per-step ratio 4 KiB / huge pages (higher:
 huge pages faster), and how many bytes the kernel collapsed.
@@ -38,9 +38,9 @@ class Decoder:
         from transformers import StaticCache
 
         from hf_moe.compat import cache_kwargs, static_cache_layers
-        from hf_moe.decode_native import DecodePlan, native_reason
+        from hf_moe.decode_one_op import DecodePlan, one_op_reason
 
-        reason = native_reason(model)
+        reason = one_op_reason(model)
         if reason is not None:
             raise SystemExit(f"the one-op decode step does not run this model: {reason}")
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)

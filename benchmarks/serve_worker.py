@@ -21,10 +21,10 @@ Commands (each generate/nll on a fresh cache):
              cpp_wrapper   transformers' decode step, inductor's C++ wrapper (one C++ function calls the kernels)
              freezing      transformers' decode step, weights folded as constants and prepacked for oneDNN
              max_autotune  freezing, plus inductor's CPU GEMM templates benchmarked against ATen's
-             fused         hf_moe's fused decode step (hf_moe.decode): one call of hf_moe::decode_step where the
-                           model allows it (hf_moe.decode_native), else compiled with hf_moe's default options (the
+             fused         hf_moe's fused decode step (hf_moe.decode): one call of the model's plan where the
+                           model allows it (hf_moe.decode_one_op), else compiled with hf_moe's default options (the
                            C++ wrapper); transformers' own models ignore `fused` and run `cpp_wrapper`
-             fused_compiled the fused step compiled (`native=False`), where fused would be one op call
+             fused_compiled the fused step compiled (`one_op=False`), where fused would be one op call
              fused_python  the compiled fused step with inductor's Python wrapper
              fused_checked the compiled fused step with Dynamo's guards checked on every step (`skip_guards=False`;
                            fused_compiled checks them on each call's first step only)
@@ -53,9 +53,9 @@ MODES = {
     "max_autotune": dict(fused=False, options={**FREEZING, "max_autotune": True,
                                                "max_autotune_gemm_backends": "CPP,ATEN"}),
     "fused": dict(fused=True),
-    "fused_compiled": dict(fused=True, native=False),
-    "fused_python": dict(fused=True, options={}, native=False),
-    "fused_checked": dict(fused=True, skip_guards=False, native=False),
+    "fused_compiled": dict(fused=True, one_op=False),
+    "fused_python": dict(fused=True, options={}, one_op=False),
+    "fused_checked": dict(fused=True, skip_guards=False, one_op=False),
 }
 
 
