@@ -28,8 +28,9 @@ def _slots(module: nn.Module, prefix: str) -> list[tuple[nn.Module, str, str]]:
     return out
 
 
-def materialize(module: nn.Module, prefix: str, read: Reader, dtype: torch.dtype, skip=lambda key: False) -> None:
-    """Give every parameter of `module` (keys `prefix + name`) the value `read(key)`, cast to `dtype` if floating."""
+def fill_parameters(module: nn.Module, prefix: str, read: Reader, dtype: torch.dtype, skip=lambda key: False) -> None:
+    """Give every parameter of `module` (keys `prefix + name`, on meta or not) the value `read(key)`, cast to `dtype`
+    if floating; `release` undoes it."""
     for owner, attr, key in _slots(module, prefix):
         if skip(key):
             continue
@@ -73,7 +74,7 @@ def layerwise(model: nn.Module, layers_path: str, read: Reader, dtype: torch.dty
 
     def before(index):
         def hook(module, args, kwargs):
-            materialize(module, f"{layers_path}.{index}.", read, dtype, skip)
+            fill_parameters(module, f"{layers_path}.{index}.", read, dtype, skip)
 
         return hook
 

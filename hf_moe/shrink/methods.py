@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from ..layerwise import materialize
+from ..layerwise import fill_parameters
 from ..modeling import MoEForCausalLM
 from .layer import LayerData, expert_params, is_sigmoid_router, replaced_block, router_state, select_rows
 from .layout import MoELayout, ShrinkError
@@ -187,7 +187,7 @@ class LossMethod(ReconstructionMethod):
         self.shrink_pass(ids, None)
         model = empty_model(layout)
         model.tie_weights()  # a tied output head is not on disk: it is the input embedding, once read
-        materialize(model, "", layout.read, self.dtype)
+        fill_parameters(model, "", layout.read, self.dtype)
         model.tie_weights()
         originals = {}
         for layer in layout.moe_layers:
