@@ -9,6 +9,8 @@ under it still match.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_ids, tiny_dense
@@ -129,3 +131,31 @@ def test_base_fingerprints_recorded_under_the_former_name_still_match():
     found = base_fingerprint(moe)
     assert found["structure"] == "xxh3_128:6b74ea8de02ae21dd6552f9589ecd32c"
     assert found["tensors"] == 30
+
+
+@pytest.mark.slow
+def test_a_merged_lora_is_saved_with_the_model(adapter_checkpoint, tmp_path):
+    """merge_and_unload() changes frozen weights (q_proj, v_proj) that an adapter-expert checkpoint takes from its base:
+    save_pretrained wrote only the routers and adapters, and the reload computed the model without the LoRA. A save
+    now notices that the frozen weights are not the base's (their fingerprint differs from the recorded one) and
+    writes them too: the reload has equal logits, and what trains is what trains on the original checkpoint (the
+    routers and adapters): the merged weights stay frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    ids = random_ids(2, 12)
+    base = MoEForCausalLM.from_pretrained(adapter_checkpoint)
+    base_logits = _logits(base, ids)
+    trainable = {n for n, p in base.named_parameters() if p.requires_grad}  # (get_peft_model freezes them)
+    assert trainable and not any("q_proj" in n or "v_proj" in n for n in trainable)
+    merged = get_peft_model(base, LoraConfig(**LORA, init_lora_weights=False)).merge_and_unload().eval()
+    expected = _logits(merged, ids)
+    assert (expected - base_logits).abs().max() > 1e-3  # the merged LoRA changes the output
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = MoEForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(_logits(reloaded, ids), expected, rtol=0, atol=0)
+    assert {n for n, p in reloaded.named_parameters() if p.requires_grad} == trainable
+    # On its untouched base, a model still saves only what trained; loaded in another dtype too (the base as cast)
+    for dtype in (None, torch.bfloat16):
+        MoEForCausalLM.from_pretrained(adapter_checkpoint, dtype=dtype).save_pretrained(tmp_path / "untouched")
+        saved = json.loads((tmp_path / "untouched" / "model.safetensors.index.json").read_text())
+        assert "frozen" not in saved["metadata"] and not any("q_proj" in k for k in saved["weight_map"])

@@ -41,10 +41,11 @@ from torch import nn
 from ..compat import attn_implementation
 from ..dense_mlp import DenseMLP, extract_mlp, find_decoder_layers, find_mlp
 from ..layers import SparseMoeBlock, build_router
-from ..layers.adapter_experts import AdapterExperts, adapter_blocks, always_saved, current_key, fingerprint_key
+from ..layers.adapter_experts import AdapterExperts, adapter_blocks, always_saved, current_key
 from ..memory import available_memory, format_bytes
 from .checks import checkpoint_config, read_index
-from .format import CHECKSUM_ALGORITHM, CHECKSUM_ALGORITHMS, INDEX_NAME, CheckpointError
+from .fingerprint import base_fingerprint
+from .format import INDEX_NAME, CheckpointError
 from .guard import load_safetensors, read_json
 from .hub import HUB_KWARGS
 from .load import validate_checkpoint
@@ -54,12 +55,12 @@ from .snapshot import reading
 # tokenizer and of generation (not read by the forward), initialisation (the weights are loaded), a choice made at
 # load (attention and experts implementations) and the dtype (the fingerprint holds the weights' dtype).
 NOT_COMPUTED = frozenset({
-    "_name_or_path", "name_or_path", "architectures", "transformers_version", "auto_map", "model_type", "dtype",
-    "torch_dtype", "attn_implementation", "_attn_implementation", "experts_implementation", "_experts_implementation",
-    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript", "bos_token_id",
-    "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "tokenizer_class", "prefix",
-    "task_specific_params", "finetuning_task", "id2label", "label2id", "problem_type", "initializer_range", "init_std",
-    "initializer_factor", "chunk_size_feed_forward",
+    "_name_or_path", "name_or_path", "architectures", "transformers_version", "auto_map", "hf_moe_package",
+    "model_type", "dtype", "torch_dtype", "attn_implementation", "_attn_implementation", "experts_implementation",
+    "_experts_implementation", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "torchscript", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "id2label", "label2id", "problem_type",
+    "initializer_range", "init_std", "initializer_factor", "chunk_size_feed_forward",
 })
 # Fields whose difference gives the base tensors of other shapes (reported as such).
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -295,26 +296,6 @@ def freeze_base(model: nn.Module) -> None:
         param.requires_grad_(always_saved(name, paths))
 
 
-def base_fingerprint(model: nn.Module) -> dict[str, Any]:
-    """{"fingerprint", "structure", "tensors"}: hashes of the frozen tensors (every state-dict entry an adapter
-    checkpoint does not save) by name, dtype, shape and bytes ("structure": without the bytes), and their count."""
-    new = CHECKSUM_ALGORITHMS[CHECKSUM_ALGORITHM]
-    values, structure = new(), new()
-    paths = list(adapter_blocks(model))
-    count = 0
-    for key, tensor in sorted(model.state_dict().items()):
-        if always_saved(key, paths):
-            continue
-        meta = f"{fingerprint_key(key)}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode()
-        structure.update(meta)
-        values.update(meta)
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        values.update(data.view(torch.uint8).numpy() if data.numel() else b"")
-        count += 1
-    return {"fingerprint": f"{CHECKSUM_ALGORITHM}:{values.hexdigest()}",
-            "structure": f"{CHECKSUM_ALGORITHM}:{structure.hexdigest()}", "tensors": count}
-
-
 def base_reference(model: nn.Module, source: str | None, dtype: torch.dtype) -> dict[str, Any]:
     """The config's `adapter_experts["base_model"]`: where the base is (an absolute local path, a Hub id, or None
     for a model built in memory), the dtype the dense model was converted in (`PreTrainedModel.dtype`: what its
@@ -365,7 +346,8 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
     with reading(directory):  # the checks and the tensors read come from one checkpoint: a save into it waits
         validate_checkpoint(directory, verify_checksums=verify_checksums, model_class=cls)
         config = copy.deepcopy(given_config) if given_config is not None else checkpoint_config(directory)
-        weight_map, _ = read_index(directory)
+        weight_map, metadata = read_index(directory)
+        frozen = _frozen_keys(metadata, weight_map, directory)
         tensors = {}
         for filename in sorted(set(weight_map.values())):
             tensors.update(load_safetensors(directory, filename, INDEX_NAME))
@@ -380,22 +362,36 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
     dense = load_base(cls, config, directory, base, kwargs)  # (its config checked first; a model passed is copied)
     model = build_on_dense(cls, dense, config)
     _check_fingerprint(model, config, directory, base)
-    if dtype not in (None, "auto"):
-        model.to(dtype)
+    cast = dtype if dtype not in (None, "auto") else None
+    loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if cast is None and config.dtype is not None and str(config.dtype) != loaded:
+        cast = getattr(torch, str(config.dtype).removeprefix("torch."))
+    if cast is not None:
+        model.to(cast)
         _adapters_in_fp32(model)
-    elif config.dtype is not None and str(config.dtype) != str(next(model.parameters()).dtype).removeprefix("torch."):
-        model.to(getattr(torch, str(config.dtype).removeprefix("torch.")))
-        _adapters_in_fp32(model)
+        # The base in this dtype: a save compares the frozen tensors with it too (`fingerprint.saved_state_dict`)
+        model._cast_base_fingerprint = base_fingerprint(model)["fingerprint"]
     result = model.load_state_dict(tensors, strict=False)
     if result.unexpected_keys:  # (validate_checkpoint has checked every key against the config: never expected)
         raise CheckpointError(f"{directory} holds tensors this model has no place for: {result.unexpected_keys[:5]}.")
     paths = list(adapter_blocks(model))
-    extra = {k for k in tensors if not always_saved(k, paths)}  # parameters the user had unfrozen: they stay trainable
+    extra = {k for k in tensors if not always_saved(k, paths)} - frozen  # what the user had unfrozen stays trainable
     for name, param in model.named_parameters():
         if name in extra:
             param.requires_grad_(True)
     model.config.name_or_path = directory
     return model.eval()
+
+
+def _frozen_keys(metadata: dict, weight_map: dict, directory: str) -> set[str]:
+    """The index's `frozen`: the keys saved although frozen (`saved_state_dict`), as their current names."""
+    frozen = metadata.get("frozen", [])
+    if not (isinstance(frozen, list) and all(isinstance(k, str) and k in weight_map for k in frozen)):
+        raise CheckpointError(
+            f"{directory}/{INDEX_NAME} is corrupt: its metadata.frozen is not a list of the keys it maps. Save the "
+            "model again."
+        )
+    return {current_key(k) for k in frozen}
 
 
 def build_on_dense(cls, dense: nn.Module, config) -> nn.Module:

@@ -15,13 +15,13 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from ..compat import convert_file_size_to_int
-from ..layers.adapter_experts import trained_state_dict
 from ..layers.quantized import QuantizedExperts
 from ..layers.quantized_linear import QuantizedLinear
 from ..model_card import render_model_card
 from ..ops.int8 import bad_scales, scale_limit
 from .checksums import checksum_files, config_checksums
 from .commit import commit, discard, nested_directories, new_staging, resolve_output_directory, staging_directory
+from .fingerprint import saved_state_dict
 from .format import (
     AUTO_MAP, AUTO_MAP_MODULE, AUTO_MAP_SHIM, CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX,
     INDEX_NAME,
@@ -60,8 +60,9 @@ def save_checkpoint(
     A model with adapter experts (`config.adapter_experts`) writes only what was trained: the routers and adapters,
     and any other parameter that requires grad; the config names the base checkpoint the rest comes from.
     """
-    if getattr(model.config, "adapter_experts", None) is not None:  # only what was trained; the rest is the base's
-        state_dict = trained_state_dict(model, state_dict)
+    frozen = []
+    if getattr(model.config, "adapter_experts", None) is not None:  # what was trained; the rest is the base's, unless
+        state_dict, frozen = saved_state_dict(model, state_dict)  # the frozen weights changed (a merged LoRA)
     sharded = is_sharded(model, state_dict)
     if not sharded and not is_main_process:
         return
@@ -75,7 +76,7 @@ def save_checkpoint(
     _check_int8_scales(model)
     shards = plan_shards(checkpoint_state_dict(model, state_dict), max_bytes)
     with staging_directory(target) as staging:
-        finish(model, staging, target, [_write_shards(shards, staging)], extra)
+        finish(model, staging, target, [_write_shards(shards, staging)], extra, frozen=frozen)
 
 
 def _check_not_over_base(model, target: Path) -> None:
@@ -139,10 +140,11 @@ def _file_mode(staging: Path) -> int:
     return 0o666 & os.stat(staging).st_mode
 
 
-def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None) -> None:
+def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None, frozen=()) -> None:
     """Config, generation config, `auto_map` shim, index (with the checksums of every weight file and of those
     three), model card, and `extra(staging)`'s files (a tokenizer: see `convert_checkpoint`) into `staging`, then
-    move it to `target`."""
+    move it to `target`. `frozen`: the saved keys of an adapter-expert model that a load keeps frozen (in the index's
+    metadata; see `fingerprint.saved_state_dict`)."""
     config = model.config
     config.architectures = [_architecture(model)]
     config.dtype = str(model.dtype).removeprefix("torch.")
@@ -169,6 +171,7 @@ def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]]
             "checksums": {
                 "algorithm": CHECKSUM_ALGORITHM, "files": checksums, "config_files": config_checksums(staging),
             },
+            **({"frozen": sorted(frozen)} if frozen else {}),
         },
         "weight_map": dict(sorted(weight_map.items())),
     }
