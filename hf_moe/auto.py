@@ -2,9 +2,8 @@
 key conversion of the loader, and the "hf_moe" experts implementation. `import hf_moe` runs it; nothing else in
 the package registers anything.
 
-The model classes are specialised per base architecture on first use (`MoELlamaForCausalLM` for a Llama base,
-see `hf_moe.modeling`); each is registered here as its config class is made (`add_config_class_hook`), so that
-`AutoModelForCausalLM.from_pretrained(dir)` finds it from a freshly loaded config.
+The per-base classes (`MoELlamaForCausalLM` for a Llama base) are registered here as their config class is made
+(`add_config_class_hook`); docs/architecture.md, "Per-base classes", explains them.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from .checkpoint import EXPERT_PARAM_NAMES
 from .compat import MODEL_MAPPING, MergeModulelist, WeightConverter, register_checkpoint_conversion_mapping
 from .configuration import MoEConfig, add_config_class_hook
 from .modeling import (
-    MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification, base_head_class,
-    moe_model_class_for_config_class,
+    MoEForCausalLM, MoEForSequenceClassification, MoEForTokenClassification, base_head_class, moe_model_class,
 )
 from .ops import experts_interface
 
@@ -41,8 +39,9 @@ def _register_model_classes(config_class: type[MoEConfig]) -> None:
         backbone = MODEL_MAPPING[base_config]
         classes[AutoModel] = moe_backbone_class(backbone[0] if isinstance(backbone, (list, tuple)) else backbone)
     for head, auto_class in AUTO_CLASSES.items():
-        if base_head_class(head, base_config) is not None:
-            classes[auto_class] = moe_model_class_for_config_class(config_class, head)
+        base_class = base_head_class(head, base_config)
+        if base_class is not None:
+            classes[auto_class] = moe_model_class(base_class)
     for auto_class, model_class in classes.items():
         # A family that reuses another's classes (internlm3 runs LlamaForCausalLM) is registered under the config
         # class those classes name, when that one is made.

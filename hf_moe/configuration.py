@@ -2,11 +2,8 @@
 
 A converted model keeps its base architecture, so its config must keep every field (and every property and
 `attribute_map` entry) of the base config class. `MoEConfig` is therefore specialised per base config class:
-`MoEConfig(base_model_type="llama", ...)` returns an instance of `MoELlamaConfig`, a dataclass that derives
-from both `MoEConfig` and `LlamaConfig`. The specialised classes are made on demand and live in this module's
-namespace, so they pickle by reference. Each new one is announced to the hooks of `add_config_class_hook`:
-`hf_moe.auto` registers the matching model classes with transformers' Auto classes through it, so that
-`AutoModelForCausalLM.from_pretrained` finds them from a freshly loaded config.
+`MoEConfig(base_model_type="llama", ...)` returns a `MoELlamaConfig`, deriving from `MoEConfig` and `LlamaConfig`
+(`moe_config_class`; docs/architecture.md, "Per-base classes", explains these classes and their registration).
 
 The MoE fields use transformers' names (`num_experts`, `num_experts_per_tok`, `norm_topk_prob`,
 `router_aux_loss_coef`, `output_router_logits`, `moe_intermediate_size`).

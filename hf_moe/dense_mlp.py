@@ -1,7 +1,7 @@
-"""Where a family's MLP lives, and how to read it.
+"""Where a family keeps its decoder layers and MLP, and how to read the MLP's weights (a leaf: imports only compat).
 
 Detection is generic, so that any Hugging Face causal LM whose MLP is `act(x W_up) W_down` or a GLU converts
-without a per-family adapter:
+without code of its own for the family:
 
 * the decoder layers are the model's `ModuleList` of `num_hidden_layers` modules;
 * the MLP is a child named `mlp`, `feed_forward`, `ffn`, ... (or the decoder layer itself, as in OPT), and its

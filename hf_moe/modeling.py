@@ -1,17 +1,15 @@
 """The MoE models: a base model's head (causal LM, sequence or token classification) over its backbone with MoE
 blocks in place of some of its MLPs.
 
-The model *is* the base architecture: `MoEForCausalLM(config)` returns an instance of a subclass of both
-`MoEForCausalLM` and the base model's causal-LM class (`MoELlamaForCausalLM` derives from `LlamaForCausalLM`), and
-its backbone is an instance of a subclass of the base backbone (`MoELlamaModel` derives from `LlamaModel`, see
-backbone.py). Attention, caches, generation, gradient checkpointing and `device_map` are the base model's own code;
-only the chosen MLP modules are swapped for `SparseMoeBlock`s. As in transformers' own MoE models, the backbone
-returns a `MoeModelOutputWithPast` with each MoE layer's `router_logits` when asked (`output_router_logits`), and
-the head adds the load-balancing and z losses in training.
+The model *is* the base architecture: `MoEForCausalLM(config)` returns a `MoELlamaForCausalLM`, deriving from
+`LlamaForCausalLM`, over a `MoELlamaModel` backbone (docs/architecture.md, "Per-base classes", explains how these
+classes are made and registered). Attention, caches, generation, gradient checkpointing and `device_map` are the
+base model's own code; only the chosen MLP modules are swapped for `SparseMoeBlock`s. As in transformers' own MoE
+models, the backbone returns a `MoeModelOutputWithPast` with each MoE layer's `router_logits` when asked
+(`output_router_logits`), and the head adds the load-balancing and z losses in training.
 
 The other heads work the same way (`MoEForSequenceClassification` over `LlamaForSequenceClassification`, ...), so
-reward models and classifiers are MoE models too. The specialised classes are made on first use, one per base head
-class (`moe_model_class`); `hf_moe.auto` registers them with transformers' Auto classes.
+reward models and classifiers are MoE models too (`moe_model_class`).
 """
 
 from __future__ import annotations
@@ -250,7 +248,7 @@ class MoEPreTrainedModel(PreTrainedModel):
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         config_dict, _ = MoEConfig.get_config_dict(os.fspath(config if config is not None else path), **hub)
         base_config_class = _base_config_class(config_dict.get("base_model_type"))
-        return moe_model_class_for_config_class(moe_config_class(base_config_class), cls)
+        return moe_model_class_for_config(moe_config_class(base_config_class), cls)
 
     @classmethod
     def _from_pretrained_expert_parallel(
@@ -527,21 +525,15 @@ def base_head_class(head: type[MoEPreTrainedModel], base_config_class) -> type[P
 
 
 def moe_model_class_for_config(config, head: type[MoEPreTrainedModel] = None) -> type[MoEPreTrainedModel]:
-    if not isinstance(config, MoEConfig):
+    """The specialised `head` class (default: `MoEForCausalLM`) for an MoE config or specialised config class."""
+    config_class = config if isinstance(config, type) else type(config)
+    if not issubclass(config_class, MoEConfig):
         raise TypeError(
             f"{(head or MoEForCausalLM).__name__} needs an MoEConfig (model_type='hf_moe'), got "
-            f"{type(config).__name__}. To make an MoE model from a dense one, use "
+            f"{config_class.__name__}. To make an MoE model from a dense one, use "
             "`hf_moe.convert_to_moe(model, num_experts, top_k)`."
         )
-    return moe_model_class_for_config_class(type(config), head)
-
-
-def moe_model_class_for_config_class(
-    config_class: type[MoEConfig], head: type[MoEPreTrainedModel] = None
-) -> type[MoEPreTrainedModel]:
-    """The specialised `head` class (default: `MoEForCausalLM`) for a specialised config class."""
-    head = _generic(head or MoEForCausalLM)
-    base_config = config_class.base_config_class
+    head, base_config = _generic(head or MoEForCausalLM), config_class.base_config_class
     base_class = base_head_class(head, base_config)
     if base_class is None:
         raise ValueError(f"transformers has no {head.__name__.removeprefix('MoEFor')} class for model type "

@@ -25,7 +25,8 @@ def test_gpu_check_without_a_source_tree_says_how_to_get_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_MOE_BACKEND", "PYTHONPATH")}
     env["PYTHONPATH"] = str(installed)
     done = subprocess.run(
-        [sys.executable, "-m", "hf_moe.gpu_check", "--smoke", "--steps", "triton-tests", "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "hf_moe.gpu_check", "--smoke", "--steps", "triton-tests",
+         "--out", str(tmp_path / "out")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert not (installed / "tests").exists()
