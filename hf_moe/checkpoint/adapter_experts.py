@@ -44,7 +44,7 @@ from ..layers import SparseMoeBlock, build_router
 from ..layers.adapter_experts import AdapterExperts, adapter_blocks, always_saved, current_key
 from ..memory import available_memory, format_bytes
 from .checks import checkpoint_config, read_index
-from .fingerprint import base_fingerprint
+from .fingerprint import base_fingerprint, record_digests
 from .format import INDEX_NAME, CheckpointError
 from .guard import load_safetensors, read_json
 from .hub import HUB_KWARGS
@@ -309,7 +309,10 @@ def base_reference(model: nn.Module, source: str | None, dtype: torch.dtype) -> 
     dtype_name = str(dtype).removeprefix("torch.")
     if any(p.device.type == "meta" for p in model.parameters()):  # (hf-moe plan converts on meta: no weights)
         return {"name_or_path": name, "dtype": dtype_name, "fingerprint": None, "structure": None, "tensors": 0}
-    return {"name_or_path": name, "dtype": dtype_name, **base_fingerprint(model)}
+    digests = {}
+    reference = {"name_or_path": name, "dtype": dtype_name, **base_fingerprint(model, digests)}
+    record_digests(model, digests)  # (what its saves compare the frozen tensors with)
+    return reference
 
 
 def is_adapter_checkpoint(directory: str | os.PathLike) -> bool:
@@ -361,7 +364,7 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
         kwargs.pop(name)
     dense = load_base(cls, config, directory, base, kwargs)  # (its config checked first; a model passed is copied)
     model = build_on_dense(cls, dense, config)
-    _check_fingerprint(model, config, directory, base)
+    digests = _check_fingerprint(model, config, directory, base)
     cast = dtype if dtype not in (None, "auto") else None
     loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
     if cast is None and config.dtype is not None and str(config.dtype) != loaded:
@@ -369,8 +372,8 @@ def load_adapter_model(cls, directory: str | os.PathLike, *model_args, base=None
     if cast is not None:
         model.to(cast)
         _adapters_in_fp32(model)
-        # The base in this dtype: a save compares the frozen tensors with it too (`fingerprint.saved_state_dict`)
-        model._cast_base_fingerprint = base_fingerprint(model)["fingerprint"]
+        digests = None  # (the base in this dtype is what a save compares with: read again below)
+    record_digests(model, digests)  # (before the saved tensors are loaded over the base)
     result = model.load_state_dict(tensors, strict=False)
     if result.unexpected_keys:  # (validate_checkpoint has checked every key against the config: never expected)
         raise CheckpointError(f"{directory} holds tensors this model has no place for: {result.unexpected_keys[:5]}.")
@@ -410,13 +413,14 @@ def build_on_dense(cls, dense: nn.Module, config) -> nn.Module:
     return model
 
 
-def _check_fingerprint(model: nn.Module, config, directory: str, base) -> None:
+def _check_fingerprint(model: nn.Module, config, directory: str, base) -> dict[str, str] | None:
     ref = config.adapter_experts.get("base_model") or {}
     if not ref.get("fingerprint"):
-        return  # (converted on the meta device: nothing was recorded)
-    found = base_fingerprint(model)
+        return None  # (converted on the meta device: nothing was recorded)
+    digests = {}
+    found = base_fingerprint(model, digests)
     if found["fingerprint"] == ref["fingerprint"]:
-        return
+        return digests  # (each frozen tensor's digest: see `fingerprint.record_digests`)
     source = base_name(config, base)
     if found["structure"] == ref["structure"]:
         why = ("its tensors have the names, dtypes and shapes recorded, but other values: another revision or "

@@ -58,7 +58,8 @@ def save_checkpoint(
     with the model, atomically.
 
     A model with adapter experts (`config.adapter_experts`) writes only what was trained: the routers and adapters,
-    and any other parameter that requires grad; the config names the base checkpoint the rest comes from.
+    and any other parameter that requires grad; the config names the base checkpoint the rest comes from. A frozen
+    tensor that is no longer the base's (a merged PEFT LoRA) is written too (`fingerprint.saved_state_dict`).
     """
     frozen = []
     if getattr(model.config, "adapter_experts", None) is not None:  # what was trained; the rest is the base's, unless
