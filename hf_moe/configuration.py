@@ -29,6 +29,9 @@ from .version import __version__
 
 # Version of the on-disk layout (`hf_moe.checkpoint.format`). A reader refuses a checkpoint with a newer format.
 CHECKPOINT_FORMAT_VERSION = 1
+# Fields of a saved config that are no field of the base model's: the note to processes without hf_moe
+# (`checkpoint.format.PACKAGE_FIELD`) and the `auto_map` older checkpoints carry.
+_NOT_BASE = ("base_model_type", "auto_map", "hf_moe_package")
 
 
 class MoEConfig(PreTrainedConfig):
@@ -236,7 +239,7 @@ class MoEConfig(PreTrainedConfig):
     def to_base_config(self) -> PreTrainedConfig:
         """The dense base config, without the MoE fields."""
         own = set(MoEConfig.__dataclass_fields__) - set(PreTrainedConfig.__dataclass_fields__)
-        fields = {k: v for k, v in self.to_dict().items() if k not in own and k not in ("base_model_type", "auto_map")}
+        fields = {k: v for k, v in self.to_dict().items() if k not in own and k not in _NOT_BASE}
         fields.pop("model_type", None)
         return self.base_config_class(**fields)
 

@@ -169,7 +169,8 @@ NO_TARGET_WHY = {
     "phi3": "phimoe routes with sparsemixer and uses LayerNorm, not RMSNorm",
 }
 # Keys of a config's to_dict() that describe the file, not the model.
-_BOOKKEEPING = ("model_type", "transformers_version", "architectures", "_name_or_path", "output_attentions", "auto_map")
+_BOOKKEEPING = ("model_type", "transformers_version", "architectures", "_name_or_path", "output_attentions", "auto_map",
+                "hf_moe_package")
 
 
 def _is_metadata(name: str) -> bool:

@@ -40,7 +40,7 @@ def test_one_file_per_expert_with_per_expert_keys(saved):
     assert files == [
         "README.md", "config.json", "generation_config.json", "model-00001-of-00001.safetensors",
         "model-expert-00000.safetensors", "model-expert-00001.safetensors", "model-expert-00002.safetensors",
-        "model-expert-00003.safetensors", "model.safetensors.index.json", "modeling_hf_moe.py",
+        "model-expert-00003.safetensors", "model.safetensors.index.json",
     ]
     index = json.loads((saved / "model.safetensors.index.json").read_text())
     weight_map = index["weight_map"]

@@ -2,8 +2,8 @@
 
 TRL's SFTTrainer, PEFT LoRA (attention and the fused expert parameters) with save, reload and merge,
 AutoPeftModelForCausalLM, DeepSpeed ZeRO-3 against ZeRO-2, lm-eval's HFLM and `pipeline("text-generation")`. The tools
-that build the model from a path (AutoPeftModel, lm-eval, pipeline) are also run in a fresh process that never
-imported hf_moe: there the model comes through the `auto_map` shim of the checkpoint. torch.compile without graph
+that build the model from a path (AutoPeftModel, lm-eval, pipeline) are also run in a fresh process, which imports
+hf_moe (without it, the model type is unknown to transformers: the error names hf_moe). torch.compile without graph
 breaks is tested in test_integration.py. docs/tools.md is the summary of this file, and the README's "Works with"
 table the summary of that.
 """
@@ -38,8 +38,8 @@ LORA = dict(
 
 
 def _fresh(code: str, timeout: int = 300) -> str:
-    """Run `code` in a new Python process (which must not import hf_moe itself); its stdout. Fails with its stderr.
-    stdin is closed, so a trust_remote_code prompt answers "no" instead of waiting."""
+    """Run `code` in a new Python process (which imports hf_moe itself, where it does); its stdout. Fails with its
+    stderr. stdin is closed, so a trust_remote_code prompt answers "no" instead of waiting."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -248,7 +248,6 @@ def test_peft_lora_on_attention_and_experts_save_reload_merge(saved, tmp_path):
     # adapters move the logits by more than 1e-2).
     torch.testing.assert_close(merged_logits, adapted, rtol=1e-5, atol=1e-5)
     merged.save_pretrained(tmp_path / "merged")
-    assert (tmp_path / "merged" / "modeling_hf_moe.py").exists()
     with torch.no_grad():
         torch.testing.assert_close(
             MoEForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits, merged_logits, rtol=0, atol=0
@@ -277,18 +276,20 @@ def adapters(saved, tmp_path_factory):
 @pytest.mark.slow
 def test_auto_peft_model_with_task_type_in_a_fresh_process(adapters):
     """With task_type="CAUSAL_LM", AutoPeftModelForCausalLM loads the base through AutoModelForCausalLM: in a
-    process that never imported hf_moe that is the checkpoint's auto_map, so it needs trust_remote_code=True."""
+    process that never imported hf_moe its model type is unknown (the error names it); after `import hf_moe` it
+    loads."""
     root = adapters
     _fresh(f"""
         import sys, torch
         from peft import AutoPeftModelForCausalLM
         try:
-            AutoPeftModelForCausalLM.from_pretrained({str(root / 'causal_lm')!r})
-            raise SystemExit("loaded custom code without trust_remote_code")
+            AutoPeftModelForCausalLM.from_pretrained({str(root / 'causal_lm')!r}, trust_remote_code=True)
+            raise SystemExit("loaded an hf_moe model without hf_moe")
         except ValueError as err:
-            assert "trust_remote_code=True" in str(err), err
+            assert "model type `hf_moe`" in str(err), err
         assert "hf_moe" not in sys.modules
-        model = AutoPeftModelForCausalLM.from_pretrained({str(root / 'causal_lm')!r}, trust_remote_code=True)
+        import hf_moe
+        model = AutoPeftModelForCausalLM.from_pretrained({str(root / 'causal_lm')!r})
         assert type(model.get_base_model()).__module__ == "hf_moe.modeling"
         with torch.no_grad():
             torch.save(model(torch.load({str(root / 'ids.pt')!r})).logits, {str(root / 'fresh_causal_lm.pt')!r})
@@ -383,18 +384,18 @@ REQUESTS = [("the quick", " brown fox"), ("a mixture of", " experts"), ("", "spa
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_lm_eval_hflm_loglikelihood_by_path_in_a_fresh_process(saved, tmp_path):
-    """lm-eval builds the model from the path; in a process that never imported hf_moe it said "Transformers does
-    not recognize this architecture". With trust_remote_code=True it loads through the checkpoint's auto_map, and
-    its log-likelihoods equal the model's own."""
+    """lm-eval builds the model from the path, in a process that imported hf_moe (in one that did not, transformers
+    does not know the model type: docs/tools.md says how to run its command line); its log-likelihoods equal the
+    model's own."""
     pytest.importorskip("lm_eval")
     out = tmp_path / "loglikelihood.json"
     _fresh(f"""
         import json, sys
         from lm_eval.api.instance import Instance
         from lm_eval.models.huggingface import HFLM
-        assert "hf_moe" not in sys.modules
-        lm = HFLM(pretrained={str(saved)!r}, trust_remote_code=True, batch_size=1, device="cpu")
-        assert type(lm.model).__name__ == "MoELlamaForCausalLM" and "hf_moe" in sys.modules
+        import hf_moe
+        lm = HFLM(pretrained={str(saved)!r}, batch_size=1, device="cpu")
+        assert type(lm.model).__name__ == "MoELlamaForCausalLM"
         requests = [Instance("loglikelihood", {{}}, r, i) for i, r in enumerate({REQUESTS!r})]
         json.dump(lm.loglikelihood(requests, disable_tqdm=True), open({str(out)!r}, "w"))
     """)
@@ -425,13 +426,20 @@ def test_pipeline_text_generation_after_import(saved):
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_pipeline_text_generation_in_a_fresh_process(saved, tmp_path):
-    """Without `import hf_moe`, pipeline(..., trust_remote_code=True) loads through the checkpoint's auto_map."""
+    """Without `import hf_moe`, pipeline(...) (trust_remote_code=True too) is an error that names the model type
+    `hf_moe`; in the same process after `import hf_moe`, it generates the model's greedy tokens."""
     out = tmp_path / "tokens.json"
     _fresh(f"""
         import json, sys
         from transformers import pipeline
+        try:
+            pipeline("text-generation", model={str(saved)!r}, trust_remote_code=True)
+            raise SystemExit("loaded an hf_moe model without hf_moe")
+        except ValueError as err:
+            assert "model type `hf_moe`" in str(err), err
         assert "hf_moe" not in sys.modules
-        generator = pipeline("text-generation", model={str(saved)!r}, trust_remote_code=True)
+        import hf_moe
+        generator = pipeline("text-generation", model={str(saved)!r})
         assert type(generator.model).__name__ == "MoELlamaForCausalLM"
         out = generator("the quick", max_new_tokens=8, do_sample=False, return_tensors=True)
         json.dump(out[0]["generated_token_ids"], open({str(out)!r}, "w"))
@@ -443,14 +451,15 @@ def test_pipeline_text_generation_in_a_fresh_process(saved, tmp_path):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_the_tokenizer_loads_without_a_question_in_a_fresh_process(saved):
-    """The ways docs/tools.md gives to load only the tokenizer where hf_moe was not imported ask nothing and warn
-    nothing (stdin closed: a question would fail). A plain `AutoTokenizer.from_pretrained(dir)` asks, as for every
-    checkpoint with custom code: transformers reads config.json's auto_map first."""
+    """Where hf_moe was not imported, the tokenizer loads asking nothing and warning nothing (stdin closed: a question
+    would fail), with or without trust_remote_code and through its class; the three agree (the plain call's own test
+    is in test_tokenizer_without_hf_moe.py)."""
     code = textwrap.dedent(f"""
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
         a = AutoTokenizer.from_pretrained({str(saved)!r}, trust_remote_code=True)
         b = PreTrainedTokenizerFast.from_pretrained({str(saved)!r})
-        print(a("the fox").input_ids == b("the fox").input_ids)
+        c = AutoTokenizer.from_pretrained({str(saved)!r})
+        print(a("the fox").input_ids == b("the fox").input_ids == c("the fox").input_ids)
     """)
     result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300,
                             stdin=subprocess.DEVNULL)

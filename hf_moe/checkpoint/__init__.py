@@ -1,7 +1,7 @@
 """Per-expert safetensors checkpoints: the format, the one guarded opener, checks, checksums, atomic commit, save,
 load and verify. Each module does one of these; this package re-exports what the rest of hf_moe and its users call.
 
-    format.py      file and key names, dtypes, limits, the `auto_map` shim, `CheckpointError`
+    format.py      file and key names, dtypes, limits, the note to processes without hf_moe, `CheckpointError`
     guard.py       the one way a file of a checkpoint is opened (inside the directory, a regular file, bounded)
     headers.py     safetensors headers, read and checked
     checksums.py   per-file and per-tensor hashes (and of the config files), recorded at save and checked at load
@@ -16,6 +16,7 @@ load and verify. Each module does one of these; this package re-exports what the
     verify.py      `verify_checkpoint` (`hf-moe verify`), `record_config_files` (`hf-moe verify --update`)
     adapter_experts.py  an adapter-experts checkpoint (LoRA or PESC experts): the block on a dense MLP, its base
                    found and checked, the checkpoint loaded onto it (imported where used, not re-exported)
+    fingerprint.py the fingerprint of an adapter-experts model's base, and what its save writes
 """
 
 from .checks import checkpoint_config, expected_tensors, read_index

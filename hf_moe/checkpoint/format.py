@@ -57,9 +57,12 @@ CHECKSUM_ALGORITHM = "xxh3_128"  # the fastest of those hashes (benchmarks/check
 VERIFY_CHECKSUMS_BY_DEFAULT = True
 
 
-# `auto_map`: with it, `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads the model in a
-# process that never imported hf_moe (lm-eval, PEFT, serving scripts). The module it names is a shim written into
-# the checkpoint that imports the installed hf_moe package, which registers the model type: no model code is copied.
+# `auto_map`: checkpoints saved by older hf_moe carry it, naming a shim module written into the checkpoint that imports
+# the installed hf_moe package, so that `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loaded them
+# in a process that never imported hf_moe. hf_moe no longer writes it: transformers' AutoTokenizer reads config.json
+# through AutoConfig, which asks "Do you wish to run the custom code? [y/N]" about any `auto_map["AutoConfig"]` unless
+# trust_remote_code is given, so a process loading only the tokenizer was asked; and without AutoConfig's entry the
+# model's entries are never read (AutoConfig fails first). Such checkpoints still load, and still carry the shim.
 AUTO_MAP_MODULE = "modeling_hf_moe"
 AUTO_MAP = {
     "AutoConfig": f"{AUTO_MAP_MODULE}.MoEConfig",
@@ -79,6 +82,12 @@ from hf_moe import MoEConfig, MoEForCausalLM, MoEForSequenceClassification, MoEF
 __all__ = ["MoEConfig", "MoEForCausalLM", "MoEForSequenceClassification", "MoEForTokenClassification"]
 '''
 
+# A config field that a process without hf_moe reads instead of the config. There, AutoTokenizer falls back to a plain
+# `PreTrainedConfig` for the model type it does not know, and that warns "You are using a model of type hf_moe to
+# instantiate a model of type ``" unless a dict in the config has the plain config's model type (""), as a composite
+# model's sub-config would; this one is that dict, and says what the model needs. hf_moe's config ignores it.
+PACKAGE_FIELD = "hf_moe_package"
+PACKAGE_NOTE = {"model_type": "", "install": "pip install hf-moe", "load": "import hf_moe before loading the model"}
 
 # A model's tokenizer files (copied byte for byte by `hf-moe convert` and export; read by `hf-moe generate`).
 TOKENIZER_FILES = (

@@ -23,8 +23,7 @@ from .checksums import checksum_files, config_checksums
 from .commit import commit, discard, nested_directories, new_staging, resolve_output_directory, staging_directory
 from .fingerprint import saved_state_dict
 from .format import (
-    AUTO_MAP, AUTO_MAP_MODULE, AUTO_MAP_SHIM, CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX,
-    INDEX_NAME,
+    CHECKPOINT_FORMAT_VERSION, CHECKSUM_ALGORITHM, EXPERT_FILE_PREFIX, INDEX_NAME, PACKAGE_FIELD, PACKAGE_NOTE,
 )
 from .layout import checkpoint_state_dict, local_state_dict, plan_shards
 from .snapshot import check_not_reading
@@ -142,16 +141,16 @@ def _file_mode(staging: Path) -> int:
 
 
 def finish(model, staging: Path, target: Path, weight_maps: list[dict[str, str]], extra=None, frozen=()) -> None:
-    """Config, generation config, `auto_map` shim, index (with the checksums of every weight file and of those
-    three), model card, and `extra(staging)`'s files (a tokenizer: see `convert_checkpoint`) into `staging`, then
-    move it to `target`. `frozen`: the saved keys of an adapter-expert model that a load keeps frozen (in the index's
-    metadata; see `fingerprint.saved_state_dict`)."""
+    """Config (with `format.PACKAGE_NOTE`, and no `auto_map`), generation config, index (with the checksums of every
+    weight file and of those two), model card, and `extra(staging)`'s files (a tokenizer: see `convert_checkpoint`)
+    into `staging`, then move it to `target`. `frozen`: the saved keys of an adapter-expert model that a load keeps
+    frozen (in the index's metadata; see `fingerprint.saved_state_dict`)."""
     config = model.config
     config.architectures = [_architecture(model)]
     config.dtype = str(model.dtype).removeprefix("torch.")
-    config.auto_map = dict(AUTO_MAP)
+    config.__dict__.pop("auto_map", None)  # (loaded from a checkpoint an older hf_moe saved: see format.py)
+    setattr(config, PACKAGE_FIELD, dict(PACKAGE_NOTE))
     config.save_pretrained(staging)
-    (staging / f"{AUTO_MAP_MODULE}.py").write_text(AUTO_MAP_SHIM)
     if model.can_generate() and model.generation_config is not None:
         model.generation_config.save_pretrained(staging)
     weight_map = {k: v for part in weight_maps for k, v in part.items()}
