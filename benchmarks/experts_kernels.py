@@ -12,7 +12,7 @@ Contestants, one MoE layer call each (the experts only: no router, no attention)
   torch fp32      hf_moe's fused training kernel (moe_experts_forward: ATen GEMMs, MKL) on fp32 weights: the path
                   hf_moe ran before the inference kernel
   torch bf16      the same on bf16 weights: torch's own bf16 matmul (oneDNN)
-  ours fp32       moe_experts_infer on fp32 weights (csrc/cpu/serve_cpu.cpp)
+  ours fp32       moe_experts_infer on fp32 weights (csrc/cpu/infer_cpu.cpp)
   ours bf16       moe_experts_infer on bf16 weights and activations: vdpbf16ps, fp32 accumulation
   ours int8/bf16  moe_experts_infer on int8 weights (per-channel scales), bf16 activations
   ours int8/fp32  moe_experts_infer on int8 weights, fp32 activations
@@ -132,7 +132,7 @@ def main() -> None:
     if module is None:
         sys.exit(f"the compiled extension is unavailable ({status.how}); nothing to measure")
     print(f"experts kernels: hidden {hidden}, intermediate {inter}, {experts} experts, top-{top_k}, {layers_n} layers; "
-          f"kernels: {torch.ops.hf_moe.serve_isa()}; torch {torch.__version__}; load average "
+          f"kernels: {torch.ops.hf_moe.infer_isa()}; torch {torch.__version__}; load average "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} CPUs")
     layers = build_layers(layers_n, hidden, inter, experts)
     for threads in args.threads:

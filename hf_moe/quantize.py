@@ -2,7 +2,7 @@
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir)          # any hf_moe model (fp32 or bf16)
     hf_moe.quantize_experts(model, "int8")                         # experts: int8 weights + fp32 scales, in place
-    model.generate(...)                                            # CPU: the int8 kernel (csrc/cpu/serve_cpu.cpp)
+    model.generate(...)                                            # CPU: the int8 kernel (csrc/cpu/infer_cpu.cpp)
     save_quantized(model, out_dir)                                 # per expert, atomic, with checksums
     model = load_quantized(out_dir)
 

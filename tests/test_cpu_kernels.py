@@ -1,5 +1,5 @@
-"""The compiled inference kernel `hf_moe::moe_experts_infer` (csrc/cpu/serve_cpu.cpp, serve_kernels.cpp and
-serve_kernels_q8.cpp) against the pure-torch reference: fp32, bf16 and int8 (dequantize-then-matmul) weights, fp32
+"""The compiled inference kernel `hf_moe::moe_experts_infer` (csrc/cpu/infer_cpu.cpp, infer_kernels.cpp and
+infer_kernels_q8.cpp) against the pure-torch reference: fp32, bf16 and int8 (dequantize-then-matmul) weights, fp32
 and bf16 activations, both kernel sets (AVX-512 BF16 where the CPU has it, and the portable C++ one), on the routing
 edge cases of test_ops.py."""
 
@@ -164,7 +164,7 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(kind, compiled):
 
 
 def test_avx512_and_portable_kernels_agree(compiled):
-    if torch.ops.hf_moe.serve_isa() != "avx512_bf16":
+    if torch.ops.hf_moe.infer_isa() != "avx512_bf16":
         pytest.skip("this CPU has no AVX-512 BF16: only the portable kernels run")
     index, weights = _routing(33, 2, 8, "random")
     x = torch.randn(33, 96)
@@ -196,7 +196,7 @@ def test_infer_errors_name_the_fix(compiled):
     q1, s1 = quantize_int8(w1)
     q2, s2 = quantize_int8(w2)
     op = torch.ops.hf_moe.moe_experts_infer
-    with pytest.raises(RuntimeError, match="needs w1_scale"):
+    with pytest.raises(RuntimeError, match="w1 is int8 and needs its fp32 scales"):
         op(x, index, weights, q1, None, None, q2, s2, None, "silu", True)
     with pytest.raises(RuntimeError, match="w1 is Float but w2 is Char"):
         op(x, index, weights, w1, None, None, q2, s2, None, "silu", True)
@@ -217,7 +217,7 @@ def _ran(fn, name="hf_moe::moe_experts_infer"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_dispatch_takes_the_inference_kernel(dtype, compiled):
     """Inference on few tokens (decoding) runs moe_experts_infer where the CPU has AVX-512 BF16, with the numbers of
-    the fused training kernel; with gradients, or in fp64, the fused kernel runs as before."""
+    the whole-layer training op; with gradients, or in fp64, that op runs as before."""
     from hf_moe.ops.infer import MAX_TOKENS, kernel_isa
 
     experts = _Experts(4, 64, 48, glu=True, bias=True, dtype=dtype)

@@ -57,6 +57,30 @@ def test_linear_infer_refuses_mismatched_inputs_with_a_reason():
         torch.ops.hf_moe.linear_infer(x, torch.randn(4, 9), None, None)
 
 
+def test_linear_layers_and_experts_check_int8_scales_in_one_place():
+    """A linear layer's [O, K] and experts' [E, O, K] int8 weights are read through one view, checked by one function
+    (csrc weight_view): the same fault in their scales gets the same words from linear_infer and moe_experts_infer."""
+    x = torch.randn(2, 64)
+    linear = torch.zeros(4, 64, dtype=torch.int8)
+    w1, w2 = torch.zeros(2, 8, 64, dtype=torch.int8), torch.zeros(2, 64, 4, dtype=torch.int8)
+    index, weights = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+
+    def experts(w1_scale):
+        torch.ops.hf_moe.moe_experts_infer(x, index, weights, w1, w1_scale, None, w2, torch.ones(2, 64), None,
+                                           "silu", True)
+
+    groups = "'s scales have 3 groups over 64 inputs; each group must span a multiple of 32 inputs"
+    with pytest.raises(RuntimeError, match="linear_infer: the weight" + groups):
+        torch.ops.hf_moe.linear_infer(x, linear, torch.ones(4, 3), None)
+    with pytest.raises(RuntimeError, match="moe_experts_infer: w1" + groups):
+        experts(torch.ones(2, 8, 3))
+    shape = r"'s scales must be a contiguous fp32 \[{0}\] or \[{0}, groups\]"
+    with pytest.raises(RuntimeError, match="the weight" + shape.format("4")):
+        torch.ops.hf_moe.linear_infer(x, linear, torch.ones(5), None)
+    with pytest.raises(RuntimeError, match="w1" + shape.format("E, 8")):
+        experts(torch.ones(2, 7))
+
+
 def block_args(dtype, batch=2, hidden=64, q_heads=4, kv_heads=2, head_dim=16, length=32, position=7, bias=True,
                qk_norm=True, int8=False, seed=0):
     """Arguments of decode_attention_block: random weights, a cache already holding `position` positions."""

@@ -4,7 +4,7 @@
 //   hf_moe::linear_infer(x [N, K], weight [O, K], weight_scale?, bias?) -> [N, O]
 //       a linear layer with fp32, bf16 or int8 weights (weight-only: fp32 scales per output row [O] or per group of
 //       inputs [O, G]). A few rows (decoding): every weight row is read once, the rows split over all threads, on the
-//       dot-product kernels of the experts op (serve_kernels.h); more rows: ATen's GEMM on the (dequantized) weight.
+//       dot-product kernels of the experts op (infer_kernels.h); more rows: ATen's GEMM on the (dequantized) weight.
 //
 //   hf_moe::decode_attention_block(...) -> (hidden [B, H], normed [B, H])
 //       one token's attention sub-block of a Llama-style decoder layer over a static KV cache, in one call and one
@@ -32,14 +32,14 @@
 #include "../hf_moe.h"
 #include "decode_kernels.h"
 #include "decode_ops.h"
-#include "serve_kernels.h"
+#include "infer_kernels.h"
 
 namespace hf_moe {
 namespace {
 
-using serve::AttentionKernels;
-using serve::Kernels;
-using serve::kTile;
+using infer::AttentionKernels;
+using infer::Kernels;
+using infer::kTile;
 
 constexpr int64_t kMaxDecodeRows = 16;  // activation rows up to which linear_infer runs the dot kernels
 constexpr int64_t kRowBlock = 16;       // weight rows per parallel task
@@ -47,42 +47,56 @@ constexpr int64_t kMinChunk = 16;       // cache positions per attention task, a
 
 }  // namespace
 
-LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
-                           const c10::optional<at::Tensor>& bias, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), name, ": the weight must be a contiguous [out, in] tensor, got ",
-              w.sizes());
+WeightView weight_view(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const std::string& name) {
+  const bool experts = w.dim() == 3;
+  const char* lead = experts ? "E, " : "";
+  TORCH_CHECK((w.dim() == 2 || experts) && w.is_contiguous(), name, " must be a contiguous [", lead,
+              "out, in] tensor, got ", w.sizes());
   const auto t = w.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kChar, name,
-              ": weights must be fp32, bf16 or int8 (with scales), got ", t);
-  LinearWeight lw;
-  lw.data = static_cast<const char*>(w.data_ptr());
-  lw.dtype = t;
-  lw.out = w.size(0);
-  lw.k = w.size(1);
-  lw.group = lw.k;
-  if (t == at::kChar) {
-    TORCH_CHECK(scale.has_value(), name, ": an int8 weight needs its fp32 scales ([out] or [out, groups])");
-    const auto& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && (s.dim() == 1 || s.dim() == 2) &&
-                    s.size(0) == lw.out, name, ": scales must be a contiguous fp32 [", lw.out, "] or [", lw.out,
-                ", groups] tensor, got ", s.scalar_type(), " ", s.sizes());
-    if (s.dim() == 2) {
-      const int64_t groups = s.size(1);
-      TORCH_CHECK(groups > 0 && lw.k % groups == 0 && (lw.k / groups) % 32 == 0, name, ": ", groups,
-                  " scale groups over ", lw.k, " inputs; each group must span a multiple of 32 inputs");
-      lw.ld_scale = groups;
-      lw.group = lw.k / groups;
-    }
-    lw.scale = s.data_ptr<float>();
-  } else {
-    TORCH_CHECK(!scale.has_value(), name, ": scales are given but the weight is ", t, ", not int8");
+              " must be fp32, bf16 or int8 (with scales), got ", t);
+  WeightView v;
+  v.data = static_cast<const char*>(w.data_ptr());
+  v.dtype = t;
+  v.count = experts ? w.size(0) : 1;
+  v.out = w.size(-2);
+  v.k = w.size(-1);
+  v.group = v.k;
+  v.weight = w;
+  if (t != at::kChar) {
+    TORCH_CHECK(!scale.has_value(), name, "'s scales are given but it is ", t, ", not int8");
+    return v;
   }
+  TORCH_CHECK(scale.has_value(), name, " is int8 and needs its fp32 scales ([", lead, "out] or [", lead,
+              "out, groups])");
+  const auto& s = *scale;
+  const int64_t rows_dims = w.dim() - 1;  // the dims of [(E,) out]
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() &&
+                  (s.dim() == rows_dims || s.dim() == rows_dims + 1) &&
+                  s.sizes().slice(0, rows_dims) == w.sizes().slice(0, rows_dims),
+              name, "'s scales must be a contiguous fp32 [", lead, v.out, "] or [", lead, v.out,
+              ", groups] tensor, got ", s.scalar_type(), " ", s.sizes());
+  if (s.dim() == rows_dims + 1) {
+    const int64_t groups = s.size(-1);
+    TORCH_CHECK(groups > 0 && v.k % groups == 0 && (v.k / groups) % 32 == 0, name, "'s scales have ", groups,
+                " groups over ", v.k, " inputs; each group must span a multiple of 32 inputs");
+    v.ld_scale = groups;
+    v.group = v.k / groups;
+  }
+  v.scale = s.data_ptr<float>();
+  v.scale_tensor = s;
+  return v;
+}
+
+LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& bias, const char* name) {
+  TORCH_CHECK(w.dim() == 2, name, ": the weight must be a contiguous [out, in] tensor, got ", w.sizes());
+  LinearWeight lw;
+  static_cast<WeightView&>(lw) = weight_view(w, scale, std::string(name) + ": the weight");
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == lw.out, name, ": the bias must have ", lw.out, " values, got ", bias->sizes());
     lw.bias = bias->to(at::kFloat).contiguous();
   }
-  lw.weight = w;
-  if (scale.has_value()) lw.scale_tensor = *scale;
   return lw;
 }
 
@@ -185,7 +199,7 @@ void linear_into(const LinearWeight& w, const at::Tensor& xc, c10::string_view k
                  at::Tensor& out) {
   const int64_t n = xc.size(0);
   if (n == 0) return;
-  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+  const Kernels& kn = infer::infer_kernels(std::string(kernels));
   const Values val{xc.scalar_type() == at::kBFloat16};
   // The activations as the kernels read them: fp32 (fp32 and int8 weights) or bf16 bits (bf16 weights).
   const float* xf = val.bf16 ? nullptr : xc.data_ptr<float>();
@@ -363,8 +377,8 @@ void attention_block(const AttentionWeights& w, const at::Tensor& hidden, const 
     }
   }
 
-  const Kernels& kn = serve::serve_kernels(std::string(kernels));
-  const AttentionKernels& ak = serve::attention_kernels(std::string(kernels));
+  const Kernels& kn = infer::infer_kernels(std::string(kernels));
+  const AttentionKernels& ak = infer::attention_kernels(std::string(kernels));
   const Values val{dt == at::kBFloat16};
   const int64_t hq = sh.q_heads, hk = sh.kv_heads, n_rep = hq / hk, h = sh.hidden;
   TORCH_CHECK(out_hidden.sizes() == hidden.sizes() && out_normed.sizes() == hidden.sizes() &&

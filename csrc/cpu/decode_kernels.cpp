@@ -2,7 +2,7 @@
 // rows. Portable C++, and AVX-512 compiled for that target function by function (simd_avx512.h).
 
 #include "decode_kernels.h"
-#include "serve_kernels.h"
+#include "infer_kernels.h"
 
 #include <cmath>
 #include <cstring>
@@ -11,7 +11,7 @@
 #include "simd_avx512.h"
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 namespace {
 
 float exp_sum_portable(float* x, int64_t n, float shift) {
@@ -110,5 +110,5 @@ const AttentionKernels& attention_kernels(const std::string& name) {
   return kPortable;
 }
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe

@@ -1,12 +1,12 @@
 // Inner kernels of one token's attention over a KV cache (decode_cpu.cpp), one set per instruction set like
-// serve_kernels.h: AVX-512 where the CPU has it (with BF16), portable C++ elsewhere; picked once at run time.
+// infer_kernels.h: AVX-512 where the CPU has it (with BF16), portable C++ elsewhere; picked once at run time.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 
 struct AttentionKernels {
   const char* isa;  // "avx512_bf16" or "portable"
@@ -20,5 +20,5 @@ struct AttentionKernels {
 // The best kernels for this CPU; "portable" forces the portable ones (tests), "auto" picks.
 const AttentionKernels& attention_kernels(const std::string& name = "auto");
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe

@@ -1,6 +1,6 @@
 // The CPU kernels of the inference ops that the whole decode step (decode_step_cpu.cpp) calls directly, without the
 // dispatcher, and the attention sub-block's planned form (weights checked once, a reused workspace): defined in
-// decode_cpu.cpp (linear_infer, decode_attention_block) and serve_cpu.cpp (moe_experts_infer); their schemas and
+// decode_cpu.cpp (linear_infer, decode_attention_block) and infer_cpu.cpp (moe_experts_infer); their schemas and
 // contracts are there and in hf_moe/ops/library.py, hf_moe/ops/decode.py.
 #pragma once
 
@@ -9,21 +9,33 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace hf_moe {
 
-// A linear layer's weight [O, K] (fp32, bf16, or int8 with fp32 scales) and optional bias [O], checked once
-// (`linear_weight`); `weight` and `scale_tensor` keep the memory `data` and `scale` point into.
-struct LinearWeight {
+// A weight as the kernels read it, checked once in one place (`weight_view`): `count` matrices of [out, k] (a linear
+// layer's [O, K]: one; experts' [E, O, K]: E), fp32, bf16, or int8 with fp32 scales: [(E,) O] one per output row, or
+// [(E,) O, G] one per group of K / G inputs (each group a multiple of 32 inputs). `weight` and `scale_tensor` keep the
+// memory `data` and `scale` point into.
+struct WeightView {
   const char* data = nullptr;
   at::ScalarType dtype = at::kFloat;
-  int64_t out = 0, k = 0;
+  int64_t count = 1, out = 0, k = 0;
   const float* scale = nullptr;
   int64_t ld_scale = 1, group = 1;
-  at::Tensor bias;  // fp32, contiguous, or undefined
   at::Tensor weight, scale_tensor;
+};
+
+// The view of `w` (2-D or 3-D, contiguous) and its scales, or an error naming `name` and what is wrong.
+WeightView weight_view(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const std::string& name);
+
+// A linear layer's weight [O, K] and optional bias [O] (fp32, contiguous, or undefined), checked once
+// (`linear_weight`).
+struct LinearWeight : WeightView {
+  at::Tensor bias;
 };
 
 LinearWeight linear_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
@@ -80,25 +92,25 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block_cpu(
     const c10::optional<at::Tensor>& mask, double scaling, const at::Tensor& post_norm, double post_eps,
     c10::string_view kernels);
 
-// The host-side buffers of moe_experts_infer (serve_cpu.cpp), kept across calls by the decode plan.
+// The host-side buffers of moe_experts_infer (infer_cpu.cpp), kept across calls by the decode plan.
 struct ExpertsWorkspace;
 using ExpertsWorkspacePtr = std::shared_ptr<ExpertsWorkspace>;
 ExpertsWorkspacePtr make_experts_workspace();
 
-// The experts' weights checked against each other and hidden size `hid` (what moe_experts_infer checks each call).
-void check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
+// The experts' weights checked against each other and hidden size `hid` (what moe_experts_infer checks each call):
+// the views of w1 [E, W, H] and w2 [E, H, I].
+std::pair<WeightView, WeightView> check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
                    const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
                    const c10::optional<at::Tensor>& w2_scale, const c10::optional<at::Tensor>& b2, int64_t hid,
                    bool glu);
 
-// moe_experts_infer on checked weights (`check_experts`) into `out` [N, H] (x's dtype): x [N, H] contiguous, the
-// pairs' expert ids `id` and fp32 weights `wp` ([N, top_k] each, row-major), fp32 biases or undefined tensors; its
-// host buffers are `ws`'s.
+// moe_experts_infer on checked weights (`check_experts`'s views) into `out` [N, H] (x's dtype): x [N, H]
+// contiguous, the pairs' expert ids `id` and fp32 weights `wp` ([N, top_k] each, row-major), fp32 biases or
+// undefined tensors; its host buffers are `ws`'s. Checks nothing.
 void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float* wp, int64_t top_k,
-                            const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const at::Tensor& bias1,
-                            const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale, const at::Tensor& bias2,
-                            c10::string_view activation, bool glu, c10::string_view kernels, ExpertsWorkspace& ws,
-                            at::Tensor& out);
+                            const WeightView& w1, const at::Tensor& bias1, const WeightView& w2,
+                            const at::Tensor& bias2, c10::string_view activation, bool glu, c10::string_view kernels,
+                            ExpertsWorkspace& ws, at::Tensor& out);
 
 // linear_infer of a checked weight (`linear_weight`) for x [N, K] contiguous, N <= 16 (the decode kernels), into
 // out [N, O] (x's dtype); `widened` holds bf16 activations widened to fp32 for an int8 weight.

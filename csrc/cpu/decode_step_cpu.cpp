@@ -1,5 +1,5 @@
 // The whole decode step of a Llama-layer MoE model, planned once: a registered class, torch.classes.hf_moe.DecodePlan
-// (hf_moe/decode_native.py builds it and says which models it serves):
+// (hf_moe/decode_one_op.py builds it and says which models it serves):
 //
 //   plan = DecodePlan(model_tensors, model_numbers, top_k, norm_topk_prob, activation, glu)
 //   plan.add_layer(layer_tensors, layer_numbers, layer_names)   once per decoder layer, in order
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "decode_ops.h"
@@ -103,10 +104,10 @@ struct DenseMLP {
     w = need(t, name + ".weight", i);
     scale = maybe(t, name + ".scale");
     bias = maybe(t, name + ".bias");
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && (w.scalar_type() == dt || w.scalar_type() == at::kChar) &&
-                    (w.scalar_type() == at::kChar) == scale.has_value(),
-                "DecodePlan: ", where(i), "'s ", name, " must be a contiguous [out, in] weight of ", dt,
-                " (or int8 with its scales), got ", w.scalar_type(), " ", w.sizes());
+    TORCH_CHECK(w.dim() == 2, "DecodePlan: ", where(i), "'s ", name, " must be an [out, in] weight, got ", w.sizes());
+    weight_view(w, scale, "DecodePlan: " + where(i) + "'s " + name);  // contiguous, int8 with its scales checked
+    TORCH_CHECK(w.scalar_type() == dt || w.scalar_type() == at::kChar, "DecodePlan: ", where(i), "'s ", name,
+                " must be ", dt, " or int8, got ", w.scalar_type());
     if (scale.has_value()) bias = cast(bias, dt);  // as QuantizedLinear casts it
   }
 
@@ -129,15 +130,14 @@ struct DenseMLP {
   }
 };
 
-// One decoder layer, read by name from its dicts (hf_moe.decode_native.layer_fields names them): adding a tensor
+// One decoder layer, read by name from its dicts (hf_moe.decode_one_op.layer_fields names them): adding a tensor
 // to a layer is one field and one read here.
 struct LayerPlan {
   AttentionWeights attention;
   bool moe = false;  // an MoE block (router, experts, optional shared experts), else a dense MLP (`mlp`)
   at::Tensor router;  // [E, H]: fp32, or the activations' dtype where `router_in_dtype`
   bool router_in_dtype = false;  // logits in the activations' dtype (transformers' routers), else fp32 (hf_moe's)
-  at::Tensor w1, w2;
-  c10::optional<at::Tensor> w1_scale, w2_scale;
+  WeightView w1, w2;  // checked once (check_experts)
   at::Tensor b1, b2;  // fp32 (the activations' dtype's values, as the eager experts cast them), or undefined
   c10::optional<DenseMLP> mlp, shared;  // the dense layer's MLP; the MoE block's shared experts
   at::Tensor shared_gate;               // [1, H]: the shared experts' output scaled by sigmoid(x . gate), or undefined
@@ -169,18 +169,17 @@ struct LayerPlan {
     TORCH_CHECK(router.dim() == 2 && router.size(1) == attention.hidden && router.size(0) >= top_k,
                 "DecodePlan: layer ", i, "'s router weight must be [E, ", attention.hidden, "] with E >= top_k = ",
                 top_k, ", got ", router.sizes());
-    w1 = need(t, "w1", i).contiguous();
-    w2 = need(t, "w2", i).contiguous();
-    w1_scale = maybe(t, "w1_scale");
-    w2_scale = maybe(t, "w2_scale");
+    const at::Tensor weight1 = need(t, "w1", i).contiguous(), weight2 = need(t, "w2", i).contiguous();
     const auto bias1 = cast(maybe(t, "b1"), dt), bias2 = cast(maybe(t, "b2"), dt);
-    check_experts(w1, w1_scale, bias1, w2, w2_scale, bias2, attention.hidden, glu);
+    TORCH_CHECK(weight1.dim() == 3 && weight2.dim() == 3 && weight1.size(0) == router.size(0) &&
+                    weight2.size(0) == router.size(0),
+                "DecodePlan: layer ", i, "'s experts must be w1 [E, W, ", attention.hidden, "] and w2 [E, ",
+                attention.hidden, ", I] for its ", router.size(0), " experts, got ", weight1.sizes(), " and ",
+                weight2.sizes());
+    std::tie(w1, w2) = check_experts(weight1, maybe(t, "w1_scale"), bias1, weight2, maybe(t, "w2_scale"), bias2,
+                                     attention.hidden, glu);
     if (bias1.has_value()) b1 = bias1->to(at::kFloat).contiguous();
     if (bias2.has_value()) b2 = bias2->to(at::kFloat).contiguous();
-    TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3 && w1.size(0) == router.size(0) && w2.size(0) == router.size(0) &&
-                    w1.size(2) == attention.hidden && w2.size(1) == attention.hidden,
-                "DecodePlan: layer ", i, "'s experts must be w1 [E, W, ", attention.hidden, "] and w2 [E, ",
-                attention.hidden, ", I] for its ", router.size(0), " experts, got ", w1.sizes(), " and ", w2.sizes());
   }
 };
 
@@ -352,8 +351,8 @@ class DecodePlan : public torch::CustomClassHolder {
       }
     }
     at::Tensor& out = experts_out_;
-    moe_experts_infer_into(normed_, idx, weights_.data_ptr<float>(), top_k_, layer.w1, layer.w1_scale, layer.b1,
-                           layer.w2, layer.w2_scale, layer.b2, activation_, glu_, "auto", *experts_ws_, out);
+    moe_experts_infer_into(normed_, idx, weights_.data_ptr<float>(), top_k_, layer.w1, layer.b1, layer.w2, layer.b2,
+                           activation_, glu_, "auto", *experts_ws_, out);
     if (!layer.shared.has_value()) return out;
     // The shared experts as the eager block adds them: out + sigmoid(gate(x)) * shared(x), ATen's kernels
     at::Tensor shared = (*layer.shared)(normed_);

@@ -13,7 +13,7 @@
 #include <immintrin.h>
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 namespace {
 
 // e^x to about 1 ulp over fp32's range (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial).
@@ -67,6 +67,6 @@ inline bool cpu_has_avx512_bf16() {
 }
 
 }  // namespace
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe
 #endif

@@ -22,7 +22,7 @@ symbolic sizes: no host read, no loop whose trip count depends on the data, no s
     linear_infer, decode_attention_block     the decode step's ops: their pure-torch references (decode.py), int8
                                              weights dequantized, the caches written with index_copy_
 
-(The C++ extension's `hf_moe::serve_isa() -> str` names the kernel set of this CPU: it has no tensor to compute,
+(The C++ extension's `hf_moe::infer_isa() -> str` names the kernel set of this CPU: it has no tensor to compute,
 and a program only ever holds it as a dead node, which the exporters drop.)
 """
 

@@ -1,4 +1,4 @@
-"""The compiled inference kernel of one MoE layer, `hf_moe::moe_experts_infer` (csrc/cpu/serve_cpu.cpp): when it
+"""The compiled inference kernel of one MoE layer, `hf_moe::moe_experts_infer` (csrc/cpu/infer_cpu.cpp): when it
 runs, and its shape function.
 
 It computes what `moe_experts_forward` computes, without autograd, for fp32, bf16 and int8 (weight-only, see
@@ -26,7 +26,7 @@ MAX_TOKENS = {torch.float32: None, torch.bfloat16: 32}
 
 @functools.cache
 def _isa() -> str:
-    return torch.ops.hf_moe.serve_isa()
+    return torch.ops.hf_moe.infer_isa()
 
 
 @torch.compiler.assume_constant_result  # decided on the host once; a trace keeps the answer

@@ -7,7 +7,7 @@ A weight [..., out, K] (an expert's `gate_up_proj` [2I, H] or `down_proj` [H, I]
            fp32 [..., out, K / g]         per group of g consecutive inputs of the row           (group_size g)
 
 and `dequantize_int8(q, scale)` = q * scale is the weight the kernels compute with: the compiled kernel
-(csrc/cpu/serve_cpu.cpp) multiplies by exactly these values, dequantized in fp32 (or rounded to bf16 when the
+(csrc/cpu/infer_cpu.cpp) multiplies by exactly these values, dequantized in fp32 (or rounded to bf16 when the
 activations are bf16), so "dequantize, then matmul" is its reference.
 """
 

@@ -1,11 +1,11 @@
-// The int8 inner kernels of the inference experts op and of linear_infer, AVX-512 (serve_kernels.h says what each
-// computes; the portable ones, the reference, are in serve_kernels.cpp). Compiled for that target function by
-// function and called only where the CPU reports the instructions (`serve_kernels`).
+// The int8 inner kernels of the inference experts op and of linear_infer, AVX-512 (infer_kernels.h says what each
+// computes; the portable ones, the reference, are in infer_kernels.cpp). Compiled for that target function by
+// function and called only where the CPU reports the instructions (`infer_kernels`).
 //
-// The helpers live in an anonymous namespace; the three entry points (serve_kernels_q8.h) are defined once, here.
+// The helpers live in an anonymous namespace; the three entry points (infer_kernels_q8.h) are defined once, here.
 
-#include "serve_kernels_q8.h"
-#include "serve_tile.h"
+#include "infer_kernels_q8.h"
+#include "infer_tile.h"
 
 #ifdef HF_MOE_HAS_AVX512_KERNELS
 
@@ -15,7 +15,7 @@
 #include <cstdint>
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 namespace {
 
 // Software prefetch distance along each int8 weight row, in bytes. A decode streams rows of a few cache lines each,
@@ -62,7 +62,7 @@ HF_AVX512 inline void q8_part(const __m512i (&lines)[NR], const __m512 (&sv)[NR]
 }
 
 // One fp32 activation row against NR int8 rows, the rows one after the other (in memory order, as dot_rows1 of
-// serve_kernels.cpp), into acc[0][j] (unscaled when kScaled is false), each sum in the same order as the tile below.
+// infer_kernels.cpp), into acc[0][j] (unscaled when kScaled is false), each sum in the same order as the tile below.
 // Faster for the same reason as there (docs/serving-cpu.md).
 template <int NR, bool kScaled>
 HF_AVX512 void dot_rows1_q8(const float* x, const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale,
@@ -222,7 +222,7 @@ HF_AVX512 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* sc
   }
 }
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe
 
 #endif

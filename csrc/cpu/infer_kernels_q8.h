@@ -1,5 +1,5 @@
-// The AVX-512 int8 kernels of serve_kernels.h's `Kernels` (dot_q8, dequant_f32, dequant_bf16), compiled in
-// serve_kernels_q8.cpp. Only `serve_kernels` calls them, on a CPU with AVX-512 BF16.
+// The AVX-512 int8 kernels of infer_kernels.h's `Kernels` (dot_q8, dequant_f32, dequant_bf16), compiled in
+// infer_kernels_q8.cpp. Only `infer_kernels` calls them, on a CPU with AVX-512 BF16.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 
 #ifdef HF_MOE_HAS_AVX512_KERNELS
 namespace hf_moe {
-namespace serve {
+namespace infer {
 
 HF_AVX512 void dot_q8_avx512(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq,
                              const float* scale, int64_t ld_scale, int64_t group, int cols, int64_t k, float* out,
@@ -18,6 +18,6 @@ HF_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* sca
 HF_AVX512 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
                                    int cols, int64_t k, uint16_t* dst);
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe
 #endif

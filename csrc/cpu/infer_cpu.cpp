@@ -15,7 +15,7 @@
 // weights once: a one-token decode reads each active weight once, with both threads busy, and a long prefill reuses
 // each few weight rows (in L1) for all the rows routed to that expert. An expert with few rows (decoding) runs the
 // dot-product kernels on its rows as they are; one with kGemmRows or more (prefill) has its rows packed k-major
-// once (when they are gathered, and when its activations are written) for the GEMM kernels (serve_kernels.h).
+// once (when they are gathered, and when its activations are written) for the GEMM kernels (infer_kernels.h).
 //   phase 1: blocks of intermediate columns j (gate rows j and up rows I + j together, so the activation follows
 //            at once): a [M, I], the M = N k pairs grouped by expert;
 //   phase 2: blocks of hidden columns: out[:, block] summed over every expert's pairs.
@@ -29,18 +29,19 @@
 
 #include "../hf_moe.h"
 #include "decode_ops.h"
-#include "serve_kernels.h"
+#include "infer_kernels.h"
 
 namespace hf_moe {
 namespace {
 
-using serve::Kernels;
-using serve::kTile;
+using infer::Kernels;
+using infer::kTile;
 
 constexpr int64_t kUpBlock = 64;    // intermediate columns per phase-1 task
 constexpr int64_t kDownBlock = 32;  // hidden columns per phase-2 task
 
-// Rows [r0, r0 + cols) of expert e of one weight, in the compute type T (float, or bf16 bits as uint16_t).
+// Rows [r0, r0 + cols) of expert e of one weight (its view, checked once: `weight_view`), in the compute type T
+// (float, or bf16 bits as uint16_t).
 template <typename T>
 struct WeightRows {
   const char* data;
@@ -48,6 +49,9 @@ struct WeightRows {
   int64_t rows, k;  // per expert: [rows, k]
   const float* scale = nullptr;
   int64_t ld_scale = 1, group = 1;
+
+  explicit WeightRows(const WeightView& v)
+      : data(v.data), dtype(v.dtype), rows(v.out), k(v.k), scale(v.scale), ld_scale(v.ld_scale), group(v.group) {}
 
   // A pointer to the rows and their stride: into the weight itself, or (int8) into `scratch`, dequantized.
   const T* get(const Kernels& kn, int64_t e, int64_t r0, int cols, T* scratch, int64_t& ld) const {
@@ -107,38 +111,6 @@ float* thread_scratch(size_t floats) {
   return buffer.data();
 }
 
-void check_scale(const c10::optional<at::Tensor>& scale, const at::Tensor& w, const char* name) {
-  if (w.scalar_type() != at::kChar) {
-    TORCH_CHECK(!scale.has_value(), "moe_experts_infer: ", name, "_scale is given but ", name, " is ",
-                w.scalar_type(), ", not int8");
-    return;
-  }
-  TORCH_CHECK(scale.has_value(), "moe_experts_infer: ", name, " is int8 and needs ", name,
-              "_scale ([E, out] or [E, out, groups], fp32)");
-  const auto& s = *scale;
-  TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous(), "moe_experts_infer: ", name,
-              "_scale must be a contiguous fp32 tensor, got ", s.scalar_type());
-  TORCH_CHECK((s.dim() == 2 || s.dim() == 3) && s.size(0) == w.size(0) && s.size(1) == w.size(1),
-              "moe_experts_infer: ", name, "_scale must be [E, out] or [E, out, groups] for ", name, " ", w.sizes(),
-              ", got ", s.sizes());
-  if (s.dim() == 3) {
-    const int64_t groups = s.size(2), k = w.size(2);
-    TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "moe_experts_infer: ", name, "_scale has ",
-                groups, " groups over ", k, " inputs; each group must span a multiple of 32 inputs");
-  }
-}
-
-template <typename T>
-WeightRows<T> weight_rows(const at::Tensor& w, const c10::optional<at::Tensor>& scale) {
-  WeightRows<T> rows{static_cast<const char*>(w.data_ptr()), w.scalar_type(), w.size(1), w.size(2)};
-  if (scale.has_value()) {
-    rows.scale = scale->data_ptr<float>();
-    rows.ld_scale = scale->dim() == 3 ? scale->size(2) : 1;
-    rows.group = scale->dim() == 3 ? w.size(2) / scale->size(2) : w.size(2);
-  }
-  return rows;
-}
-
 template <typename T>
 void gemm(const Kernels& kn, const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
           float* out, int64_t ldo) {
@@ -148,11 +120,11 @@ void gemm(const Kernels& kn, const T* w, int64_t ldw, int cols, const T* packed,
 
 template <typename T>
 int64_t packed_index(int64_t c, int64_t m, int64_t ld) {
-  return std::is_same_v<T, float> ? serve::packed_index_f32(c, m, ld) : serve::packed_index_bf16(c, m, ld);
+  return std::is_same_v<T, float> ? infer::packed_index_f32(c, m, ld) : infer::packed_index_bf16(c, m, ld);
 }
 
 // Where each expert's rows live in a buffer of `width` values per row: row-major (few rows: the dot kernels), or
-// packed k-major for the GEMM kernels (serve_kernels.h), with `ld` rows (a multiple of 16, zero-padded).
+// packed k-major for the GEMM kernels (infer_kernels.h), with `ld` rows (a multiple of 16, zero-padded).
 struct ExpertRows {
   std::vector<int64_t> start, ld;
   std::vector<char> packed;
@@ -167,7 +139,7 @@ struct ExpertRows {
     size = 0;
     for (int64_t e = 0; e < experts; ++e) {
       const int64_t rows = offsets[e + 1] - offsets[e];
-      const bool gemm = rows >= serve::kGemmRows;
+      const bool gemm = rows >= infer::kGemmRows;
       start.push_back(size);
       ld.push_back(gemm ? (rows + 15) / 16 * 16 : rows);
       packed.push_back(gemm);
@@ -199,20 +171,18 @@ std::vector<T>& buffer_of(std::vector<float>& f32, std::vector<uint16_t>& bf16) 
 
 // `bias1` and `bias2`: fp32 and contiguous, or undefined.
 template <typename T>
-void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at::Tensor& w1,
-         const c10::optional<at::Tensor>& s1, const at::Tensor& bias1, const at::Tensor& w2,
-         const c10::optional<at::Tensor>& s2, const at::Tensor& bias2, Activation act, bool glu, at::Tensor& out) {
+void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const WeightView& w1, const at::Tensor& bias1,
+         const WeightView& w2, const at::Tensor& bias2, Activation act, bool glu, at::Tensor& out) {
   const std::vector<int64_t>& offsets = ws.offsets;
   const std::vector<int64_t>& row_token = ws.row_token;
   const std::vector<float>& row_weight = ws.row_weight;
-  const int64_t n_tokens = x.size(0), hid = x.size(1), num_experts = w1.size(0);
-  const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1), m = offsets.back();
-  const auto up = weight_rows<T>(w1, s1);
-  const auto down = weight_rows<T>(w2, s2);
+  const int64_t n_tokens = x.size(0), hid = x.size(1), num_experts = w1.count;
+  const int64_t inter = glu ? w1.out / 2 : w1.out, m = offsets.back();
+  const WeightRows<T> up(w1), down(w2);
   const float* bias1_p = bias1.defined() ? bias1.data_ptr<float>() : nullptr;
   const float* bias2_p = bias2.defined() ? bias2.data_ptr<float>() : nullptr;
   const bool out_f32 = out.scalar_type() == at::kFloat;
-  const bool int8 = w1.scalar_type() == at::kChar;
+  const bool int8 = w1.dtype == at::kChar;
 
   ExpertRows& x_rows = ws.x_rows;
   ExpertRows& a_rows = ws.a_rows;
@@ -281,10 +251,10 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at:
   {
     // Scratch: two blocks of dequantized weight rows (int8), the gate and up sums of phase 1, one row of
     // activations (fp32, and in the compute type), the output sums of phase 2.
-    constexpr int64_t kRows = std::max<int64_t>(kTile, serve::kGemmCols);
+    constexpr int64_t kRows = std::max<int64_t>(kTile, infer::kGemmCols);
     const int64_t kmax = std::max(hid, inter), most = std::max<int64_t>(largest, 1);
     float* scratch = thread_scratch(2 * kRows * kmax + 2 * kUpBlock * most + 2 * kUpBlock + kDownBlock * most +
-                                    (int8 ? kmax * std::min<int64_t>(most, serve::kGemmRows) : 0));
+                                    (int8 ? kmax * std::min<int64_t>(most, infer::kGemmRows) : 0));
     T* wbuf = reinterpret_cast<T*>(scratch);
     float* gate = scratch + 2 * kRows * kmax;
     float* upv = gate + kUpBlock * most;
@@ -307,7 +277,7 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at:
       const T* xe = xs.data() + x_rows.start[e];
       const bool packed = x_rows.packed[e];
       const float* xf = int8 && !packed ? as_f32(xe, rows * hid, x_f32) : nullptr;
-      const int64_t step = packed ? serve::kGemmCols : kTile;
+      const int64_t step = packed ? infer::kGemmCols : kTile;
       for (int64_t j = 0; j < width; j += step) {
         const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
         for (int half = 0; half < (glu ? 2 : 1); ++half) {
@@ -327,7 +297,7 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at:
         float* g = gate + r * kUpBlock;
         float* u = upv + r * kUpBlock;
         if (bias1_p) {
-          const float* b = bias1_p + e * w1.size(1);
+          const float* b = bias1_p + e * w1.out;
           for (int64_t j = 0; j < width; ++j) g[j] += b[j0 + j];
           if (glu)
             for (int64_t j = 0; j < width; ++j) u[j] += b[inter + j0 + j];
@@ -358,7 +328,7 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at:
         const T* ae = a.data() + a_rows.start[e];
         const bool packed = a_rows.packed[e];
         const float* af = int8 && !packed ? as_f32(ae, rows * inter, x_f32) : nullptr;
-        const int64_t step = packed ? serve::kGemmCols : kTile;
+        const int64_t step = packed ? infer::kGemmCols : kTile;
         for (int64_t j = 0; j < width; j += step) {
           const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
           if (af) {
@@ -392,37 +362,34 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const at:
 
 }  // namespace
 
-void check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
-                   const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
-                   const c10::optional<at::Tensor>& w2_scale, const c10::optional<at::Tensor>& b2, int64_t hid,
-                   bool glu) {
-  const auto wt = w1.scalar_type();
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "moe_experts_infer: expert weights must be "
-              "fp32, bf16 or int8 (with scales), got ", wt);
-  TORCH_CHECK(w2.scalar_type() == wt, "moe_experts_infer: w1 is ", wt, " but w2 is ", w2.scalar_type());
-  TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3 && w1.is_contiguous() && w2.is_contiguous(),
-              "moe_experts_infer: w1 [E, W, H] and w2 [E, H, I] must be contiguous 3-D tensors");
-  const int64_t num_experts = w1.size(0);
-  const int64_t inter = glu ? w1.size(1) / 2 : w1.size(1);
-  TORCH_CHECK(w1.size(2) == hid && w2.size(0) == num_experts && w2.size(1) == hid && w2.size(2) == inter &&
-              (!glu || w1.size(1) % 2 == 0), "moe_experts_infer: shapes do not match: hidden size ", hid,
+std::pair<WeightView, WeightView> check_experts(const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale,
+                                                const c10::optional<at::Tensor>& b1, const at::Tensor& w2,
+                                                const c10::optional<at::Tensor>& w2_scale,
+                                                const c10::optional<at::Tensor>& b2, int64_t hid, bool glu) {
+  TORCH_CHECK(w1.dim() == 3 && w2.dim() == 3, "moe_experts_infer: w1 [E, W, H] and w2 [E, H, I] must be contiguous "
+              "3-D tensors, got ", w1.sizes(), " and ", w2.sizes());
+  const WeightView up = weight_view(w1, w1_scale, "moe_experts_infer: w1");
+  const WeightView down = weight_view(w2, w2_scale, "moe_experts_infer: w2");
+  TORCH_CHECK(down.dtype == up.dtype, "moe_experts_infer: w1 is ", up.dtype, " but w2 is ", down.dtype);
+  const int64_t num_experts = up.count;
+  const int64_t inter = glu ? up.out / 2 : up.out;
+  TORCH_CHECK(up.k == hid && down.count == num_experts && down.out == hid && down.k == inter &&
+              (!glu || up.out % 2 == 0), "moe_experts_infer: shapes do not match: hidden size ", hid,
               ", w1 ", w1.sizes(), ", w2 ", w2.sizes(), glu ? " (GLU)" : "");
-  check_scale(w1_scale, w1, "w1");
-  check_scale(w2_scale, w2, "w2");
-  TORCH_CHECK(!b1.has_value() || (b1->dim() == 2 && b1->size(0) == num_experts && b1->size(1) == w1.size(1)),
+  TORCH_CHECK(!b1.has_value() || (b1->dim() == 2 && b1->size(0) == num_experts && b1->size(1) == up.out),
               "moe_experts_infer: b1 must be [E, W]");
   TORCH_CHECK(!b2.has_value() || (b2->dim() == 2 && b2->size(0) == num_experts && b2->size(1) == hid),
               "moe_experts_infer: b2 must be [E, H]");
+  return {up, down};
 }
 
 void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float* wp, int64_t top_k,
-                            const at::Tensor& w1, const c10::optional<at::Tensor>& w1_scale, const at::Tensor& bias1,
-                            const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale, const at::Tensor& bias2,
-                            c10::string_view activation, bool glu, c10::string_view kernels, ExpertsWorkspace& ws,
-                            at::Tensor& out) {
-  const Kernels& kn = serve::serve_kernels(std::string(kernels));
+                            const WeightView& w1, const at::Tensor& bias1, const WeightView& w2,
+                            const at::Tensor& bias2, c10::string_view activation, bool glu, c10::string_view kernels,
+                            ExpertsWorkspace& ws, at::Tensor& out) {
+  const Kernels& kn = infer::infer_kernels(std::string(kernels));
   const Activation act = parse_activation(std::string(activation));
-  const int64_t n_tokens = x.size(0), num_experts = w1.size(0), pairs = n_tokens * top_k;
+  const int64_t n_tokens = x.size(0), num_experts = w1.count, pairs = n_tokens * top_k;
   if (n_tokens == 0) return;
   // Group the pairs by expert (a stable counting sort on the host: N k numbers, nothing next to the GEMMs).
   // Pairs with an id outside [0, E) are dropped: they contribute nothing.
@@ -444,10 +411,10 @@ void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float*
     out.zero_();
     return;
   }
-  const auto wt = w1.scalar_type();
+  const auto wt = w1.dtype;
   const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16);
-  if (bf16) run<uint16_t>(kn, x, ws, w1, w1_scale, bias1, w2, w2_scale, bias2, act, glu, out);
-  else run<float>(kn, x, ws, w1, w1_scale, bias1, w2, w2_scale, bias2, act, glu, out);
+  if (bf16) run<uint16_t>(kn, x, ws, w1, bias1, w2, bias2, act, glu, out);
+  else run<float>(kn, x, ws, w1, bias1, w2, bias2, act, glu, out);
 }
 
 at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
@@ -456,13 +423,13 @@ at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tens
                                  const at::Tensor& w2, const c10::optional<at::Tensor>& w2_scale,
                                  const c10::optional<at::Tensor>& b2, c10::string_view activation, bool glu,
                                  c10::string_view kernels) {
-  serve::serve_kernels(std::string(kernels));  // an unknown kernel set is refused before the shapes
+  infer::infer_kernels(std::string(kernels));  // an unknown kernel set is refused before the shapes
   parse_activation(std::string(activation));
   TORCH_CHECK(hidden_states.dim() == 2, "moe_experts_infer: hidden_states must be [N, H], got ", hidden_states.sizes());
   TORCH_CHECK(hidden_states.scalar_type() == at::kFloat || hidden_states.scalar_type() == at::kBFloat16,
               "moe_experts_infer: hidden_states must be fp32 or bf16, got ", hidden_states.scalar_type());
   const int64_t n_tokens = hidden_states.size(0), hid = hidden_states.size(1);
-  check_experts(w1, w1_scale, b1, w2, w2_scale, b2, hid, glu);
+  const auto views = check_experts(w1, w1_scale, b1, w2, w2_scale, b2, hid, glu);
   TORCH_CHECK(top_k_index.dim() == 2 && top_k_index.size(0) == n_tokens && top_k_weights.sizes() == top_k_index.sizes(),
               "moe_experts_infer: top_k_index and top_k_weights must be [N, k] for N = ", n_tokens);
 
@@ -474,21 +441,22 @@ at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tens
   const at::Tensor bias1 = b1.has_value() ? b1->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor bias2 = b2.has_value() ? b2->to(at::kFloat).contiguous() : at::Tensor();
   ExpertsWorkspace ws;
-  moe_experts_infer_into(x, ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.size(1), w1, w1_scale, bias1, w2,
-                         w2_scale, bias2, activation, glu, kernels, ws, out);
+  moe_experts_infer_into(x, ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.size(1), views.first, bias1,
+                         views.second, bias2, activation, glu, kernels, ws, out);
   return out;
 }
 
 namespace {
 
-std::string serve_isa_cpu() { return serve::serve_kernels("auto").isa; }
+std::string infer_isa_cpu() { return infer::infer_kernels("auto").isa; }
 
 }  // namespace
 
 // moe_experts_infer's schema is defined in Python with the other ops (hf_moe/ops/library.py), so saved programs
 // that call it load after `import hf_moe`; this file registers its CPU kernel. Inference only (no autograd).
 TORCH_LIBRARY_FRAGMENT(hf_moe, m) {
-  m.def("serve_isa() -> str", &serve_isa_cpu);  // the kernel set "auto" picks on this CPU
+  m.def("infer_isa() -> str", &infer_isa_cpu);  // the kernel set "auto" picks on this CPU
+  m.def("serve_isa() -> str", &infer_isa_cpu);  // its former name, kept for scripts that call it (deprecated)
 }
 
 TORCH_LIBRARY_IMPL(hf_moe, CPU, m) { m.impl("moe_experts_infer", &moe_experts_infer_cpu); }

@@ -1,5 +1,5 @@
-// Inner kernels of the inference experts op (serve_cpu.cpp), one set per instruction set: AVX-512 with BF16
-// (vdpbf16ps) where the CPU has it, portable C++ elsewhere. Picked once at run time (`serve_kernels`), so the
+// Inner kernels of the inference experts op (infer_cpu.cpp), one set per instruction set: AVX-512 with BF16
+// (vdpbf16ps) where the CPU has it, portable C++ elsewhere. Picked once at run time (`infer_kernels`), so the
 // extension builds with the default flags and runs on any x86-64 or ARM CPU.
 //
 // Weights are in transformers' layout, [out, K] row-major (K contiguous), so every kernel is a dot product along
@@ -11,10 +11,10 @@
 #include <cstdint>
 
 #include "../hf_moe.h"
-#include "serve_tile.h"
+#include "infer_tile.h"
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 
 // Experts with at least this many rows (prefill) take the GEMM kernels: their activations are packed once, k-major
 // (`packed` below), and every weight row is broadcast against 32 activation rows at a time.
@@ -56,11 +56,11 @@ struct Kernels {
 };
 
 // The best kernels for this CPU; `name` "portable" forces the portable ones (tests, benchmarks), "auto" picks.
-const Kernels& serve_kernels(const std::string& name = "auto");
+const Kernels& infer_kernels(const std::string& name = "auto");
 
 // Whether the kernel set `name` names is the AVX-512 one: "auto" on a CPU with AVX-512 BF16, or "avx512_bf16"
 // (an error on a CPU without it); false for "portable"; an error for any other name.
 bool avx512_kernels(const std::string& name);
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe

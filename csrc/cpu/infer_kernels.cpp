@@ -1,13 +1,13 @@
 // Inner kernels of the inference experts op: portable C++, and AVX-512 (F, BW, VL, DQ, BF16) compiled for that
 // target function by function (no global -mavx512 flag), used only where the CPU reports the instructions.
-// See serve_kernels.h for what each kernel computes; the AVX-512 int8 ones are in serve_kernels_q8.cpp.
+// See infer_kernels.h for what each kernel computes; the AVX-512 int8 ones are in infer_kernels_q8.cpp.
 //
 // The AVX-512 functions live in an anonymous namespace (but for the int8 entry points, defined once, there) and use
 // only intrinsics and raw pointers: nothing compiled for AVX-512 can be merged by the linker with a copy that a
 // non-AVX-512 caller would run.
 
-#include "serve_kernels.h"
-#include "serve_kernels_q8.h"
+#include "infer_kernels.h"
+#include "infer_kernels_q8.h"
 #include "simd_avx512.h"
 
 #include <immintrin.h>
@@ -21,7 +21,7 @@
 #include <c10/util/Exception.h>
 
 namespace hf_moe {
-namespace serve {
+namespace infer {
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -449,7 +449,7 @@ bool avx512_kernels(const std::string& name) {
   return false;
 }
 
-const Kernels& serve_kernels(const std::string& name) {
+const Kernels& infer_kernels(const std::string& name) {
 #ifdef HF_MOE_HAS_AVX512_KERNELS
   if (avx512_kernels(name)) return kAvx512;
 #else
@@ -458,5 +458,5 @@ const Kernels& serve_kernels(const std::string& name) {
   return kPortable;
 }
 
-}  // namespace serve
+}  // namespace infer
 }  // namespace hf_moe
