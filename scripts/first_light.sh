@@ -28,35 +28,12 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_MOE_BACKEND="${HF_MOE_BACKEND:-triton}"  # never builds the C++ CPU extension (it is not what runs here)
 unset TRITON_INTERPRET
+source scripts/gpu_preflight.sh  # preflight: the versions, and a report when hf_moe does not import
 
 run() {
     echo "== first light: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null \
         || echo unknown), budget ${BUDGET} s"
-    "$PYTHON" - <<'EOF'
-import importlib.metadata as m, platform
-names = ("torch", "triton", "transformers", "accelerate", "safetensors", "numpy", "pytest")
-def version(name):
-    try:
-        return m.version(name)
-    except m.PackageNotFoundError:
-        return "missing"
-print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
-EOF
-    if ! "$PYTHON" -c "import hf_moe" 2>"$OUT/import_error.txt"; then
-        cat "$OUT/import_error.txt"
-        {
-            echo "# hf_moe gpu_check"
-            echo
-            echo "- verdict: FAILED (\`import hf_moe\` failed: no step ran)"
-            echo
-            echo '```text'
-            cat "$OUT/import_error.txt"
-            echo '```'
-        } >"$OUT/report.md"
-        rm -f "$OUT/import_error.txt"
-        return 1
-    fi
-    rm -f "$OUT/import_error.txt"
+    preflight "hf_moe gpu_check" torch triton transformers accelerate safetensors numpy pytest || return 1
     # The budget is gpu_check's; the margin is for a step killed at its limit and for writing the report.
     timeout -k 10 "$((10#${BUDGET%.*} + 61))" "$PYTHON" -m hf_moe.gpu_check --out "$OUT" --budget "$BUDGET"
     local status=$?

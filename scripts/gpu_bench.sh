@@ -35,6 +35,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_MOE_BACKEND="${HF_MOE_BACKEND:-triton}"  # what auto runs for bf16 on sm90; never builds the C++ extension
 unset TRITON_INTERPRET  # the bench sets it for --smoke only
+source scripts/gpu_preflight.sh  # preflight: the versions, and a report when hf_moe does not import
 
 run() {
     echo "== gpu_bench: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), commit $(git rev-parse --short HEAD 2>/dev/null \
@@ -52,24 +53,7 @@ run() {
     else
         echo "== no wheels installed (${WHEELS} has none, or --smoke): Liger-Kernel is reported absent unless installed"
     fi
-    "$PYTHON" - <<'EOF'
-import importlib.metadata as m, platform
-names = ("torch", "triton", "transformers", "accelerate", "safetensors", "numpy", "liger-kernel")
-def version(name):
-    try:
-        return m.version(name)
-    except m.PackageNotFoundError:
-        return "missing"
-print(f"python {platform.python_version()}; " + ", ".join(f"{n} {version(n)}" for n in names))
-EOF
-    if ! "$PYTHON" -c "import hf_moe" 2>"$OUT/import_error.txt"; then
-        cat "$OUT/import_error.txt"
-        { echo "# hf_moe gpu_check bench"; echo; echo "- verdict: FAILED (\`import hf_moe\` failed: no step ran)"; echo
-          echo '```text'; cat "$OUT/import_error.txt"; echo '```'; } >"$OUT/report.md"
-        rm -f "$OUT/import_error.txt"
-        return 1
-    fi
-    rm -f "$OUT/import_error.txt"
+    preflight "hf_moe gpu_check bench" torch triton transformers accelerate safetensors numpy liger-kernel || return 1
     # The budget is the bench's; the margin is for a step killed at its limit and for writing the report.
     timeout -k 10 "$((BUDGET + 40))" "$PYTHON" -m hf_moe.gpu_check.bench --out "$OUT" --budget "$BUDGET" "$@"
     local status=$?
