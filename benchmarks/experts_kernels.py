@@ -9,7 +9,7 @@ weights from memory, not from the CPU caches: a one-token decode step streams 2 
 bf16, 636 MB in fp32, 159 MB in int8), which is what bounds decoding. Routing is uniform random, top-2.
 
 Contestants, one MoE layer call each (the experts only: no router, no attention), interleaved in every repeat:
-  torch fp32      hf_moe's fused training kernel (moe_experts_forward: ATen GEMMs, MKL) on fp32 weights: the path
+  torch fp32      hf_moe's whole-layer training op (moe_experts_forward: ATen GEMMs, MKL) on fp32 weights: the path
                   hf_moe ran before the inference kernel
   torch bf16      the same on bf16 weights: torch's own bf16 matmul (oneDNN)
   ours fp32       moe_experts_infer on fp32 weights (csrc/cpu/infer_cpu.cpp)
@@ -61,8 +61,8 @@ def build_layers(layers: int, hidden: int, inter: int, experts: int, seed: int =
 
 # name -> (weight kind, activation dtype, implementation)
 CONTESTANTS = {
-    "torch fp32": ("fp32", torch.float32, "fused"),
-    "torch bf16": ("bf16", torch.bfloat16, "fused"),
+    "torch fp32": ("fp32", torch.float32, "whole"),
+    "torch bf16": ("bf16", torch.bfloat16, "whole"),
     "ours fp32": ("fp32", torch.float32, "auto"),
     "ours bf16": ("bf16", torch.bfloat16, "auto"),
     "ours int8/bf16": ("int8", torch.bfloat16, "auto"),
@@ -82,7 +82,7 @@ def calls(layers, kind, dtype, impl, tokens, hidden, experts, top_k, seed):
 
     def call(l: int) -> None:
         w1, s1, w2, s2 = layers[l][kind]
-        if impl == "fused":
+        if impl == "whole":
             ops.moe_experts_forward(x, routes[l], weights.to(dtype), w1, None, w2, None, "silu", True, False)
         else:
             ops.moe_experts_infer(x, routes[l], weights, w1, s1, None, w2, s2, None, "silu", True, impl)

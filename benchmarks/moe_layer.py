@@ -232,7 +232,7 @@ def _timed(fn, device, repeats):
 
 def _expert_gemms(block, x, backward):
     """A function replaying the expert GEMMs of `block`'s forward (and backward) on `x`'s routing, alone: the same
-    calls, shapes, gathers and group sizes as the Triton backend's `FusedExperts`, and nothing else."""
+    calls, shapes, gathers and group sizes as the Triton backend's `WholeExperts`, and nothing else."""
     ops = torch.ops.hf_moe_triton
     experts = block.experts
     flat = x.reshape(-1, x.shape[-1])

@@ -250,7 +250,7 @@ def test_compiled_activation_matches_reference(activation, glu, dtype, device, c
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("glu,bias", [(True, False), (False, True)])
 def test_compiled_experts_forward_backward_match_reference(glu, bias, dtype, device, compiled):
-    """The fused CPU path (one call forward, one backward), against the reference."""
+    """The whole-layer CPU op (one call forward, one backward), against the reference."""
     experts = _Experts(5, 16, 12, glu=glu, bias=bias, dtype=dtype).to(device)
     x = torch.randn(30, 16, dtype=dtype, device=device)
     index, weights = _routing(30, 2, 5, "dropped")

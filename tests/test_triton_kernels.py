@@ -86,7 +86,7 @@ def _gemm_cases(*dropped_marks):
 @pytest.mark.parametrize("mode,dtype", _gemm_cases(pytest.mark.gpu_smoke, pytest.mark.memcheck),
                          ids=lambda v: str(v).replace("torch.", ""))
 def test_grouped_mm_forward_and_dx(mode, dtype):
-    """Forward with bias and the routing-weight bias scale, with and without the fused gather; dX (not transposed);
+    """Forward with bias and the routing-weight bias scale, with and without the gather inside the GEMM; dX (not transposed);
     weights given transposed (non-contiguous)."""
     n, k, e, a, b = 21, 2, 6, 40, 24  # 42 rows, out 40 and in 24: no multiple of the 16-row blocks
     index, _ = _index(n, k, e, mode)

@@ -91,7 +91,7 @@ def test_layer_fp64_matches_the_token_loop():
 
 @kernels
 def test_composed_ops_and_activation_without_kernel():
-    """`ExpertsFunction` composing the Triton ops one by one (no fused path), and an activation with no Triton
+    """`ExpertsFunction` composing the Triton ops one by one (no whole-layer op), and an activation with no Triton
     kernel (quick_gelu runs in torch, the rest in Triton)."""
     from hf_moe.ops import dispatch_ops
     from hf_moe.ops.experts import run_experts
@@ -99,7 +99,7 @@ def test_composed_ops_and_activation_without_kernel():
     index, weights = _index(20, 2, 4, "dropped")
     x = torch.randn(20, 12, device=DEVICE)
     experts = _Experts(4, 12, 10, glu=True, bias=True, dtype=torch.float32).to(DEVICE)
-    ops = dataclasses.replace(dispatch_ops(x.device, "silu"), fused_forward=None, fused_backward=None)
+    ops = dataclasses.replace(dispatch_ops(x.device, "silu"), whole_forward=None, whole_backward=None)
     assert ops.name == "triton"
     params = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
     got = _grads(lambda x, w: run_experts(ops, x, index, w, *params, "silu", True), experts, x, weights.float())
@@ -212,7 +212,7 @@ def test_layer_under_autocast_with_fp32_weights():
     exact one as the torch backend's under the same autocast. Each is held against the fp64 layer without autocast
     (relative error of each tensor, by norm; Triton's at most 1.5x torch's + 5e-3): the two backends round to bf16
     in different places (torch's grouped_mm on sm90), and on an H100 an element of dW near zero differed between
-    them by more than an elementwise 5e-2, while both were as close to fp64 as bf16 allows."""
+    them by more than an elementwise tolerance allows, while both were as close to fp64 as bf16 allows."""
     import copy
 
     experts = _Experts(5, 24, 20, glu=True, bias=True, dtype=torch.float32).to(DEVICE)

@@ -1,7 +1,7 @@
 """Dispatch ops, their implementations, and the expert computation built from them.
 
 `experts_forward(experts, hidden_states, top_k_index, top_k_weights)` is the one entry point of the MoE block
-(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs the fused op, or `ExpertsFunction`
+(and of transformers' `ExpertsInterface` under the name "hf_moe"). It runs the whole-layer op, or `ExpertsFunction`
 (experts.py) composing the ops, of one of three implementations:
 
   * compiled: the C++ CPU kernels of csrc/ (OpenMP) for the `torch.ops.hf_moe.*` ops, built on first use;

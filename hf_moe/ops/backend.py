@@ -172,7 +172,7 @@ def _variant(backend: str, device_type: str, activation: str) -> DispatchOps:
     if activation not in KERNEL_ACTIVATIONS:
         return dataclasses.replace(
             compiled, name=compiled.name + ", activation in torch", expert_act=REFERENCE.expert_act,
-            expert_act_backward=REFERENCE.expert_act_backward, fused_forward=None, fused_backward=None,
+            expert_act_backward=REFERENCE.expert_act_backward, whole_forward=None, whole_backward=None,
         )
     return compiled
 
@@ -305,7 +305,7 @@ def backend_report() -> dict[str, tuple[str, str]]:
         usable, why = _triton_status("cpu")
         impl = "triton (interpreter)" if usable else "triton: cannot run here, the ops raise"
         report = {op: (impl, f"HF_MOE_BACKEND=triton; {why}") for op in _OPS}
-        report["experts (whole layer)"] = ("triton: the ops above, permute fused into the GEMMs", why)
+        report["experts (whole layer)"] = ("triton: the ops above, the permute done inside the GEMMs", why)
     else:
         report = _cpu_report(setting)
     report.update(_cuda_report())
@@ -322,7 +322,7 @@ def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
     report = {op: ("compiled C++ (OpenMP)", why) for op in _OPS}
     report["grouped_mm"] = ("compiled C++: one call, a GEMM per expert", why)
     report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
-    report["experts (whole layer)"] = ("compiled C++: fused, one call forward, one backward", "CPU")
+    report["experts (whole layer)"] = ("compiled C++: one call forward, one backward", "CPU")
     return report
 
 
@@ -335,7 +335,7 @@ def _cuda_report() -> dict[str, tuple[str, str]]:
             report[f"experts on CUDA, {label}"] = ("torch ops (reference.py)", why)
             continue
         usable, status = _triton_status("cuda")
-        report[f"experts on CUDA, {label}"] = ("triton kernels, permute fused into the GEMMs" if usable else
+        report[f"experts on CUDA, {label}"] = ("triton kernels, the permute done inside the GEMMs" if usable else
                                                "triton: cannot run here, the ops raise", f"{why}; {status}")
     report["GEMMs on CUDA"] = ("torch grouped_mm for bf16 on sm90 (16-byte aligned); else a torch.mm per expert "
                                "(one host sync) on the torch ops, a Triton kernel on the Triton ones", GROUPED_MM_WHY)

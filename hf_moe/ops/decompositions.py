@@ -45,8 +45,8 @@ def _expert_of_row(tokens_per_expert: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def grouped_mm(x, weight, tokens_per_expert, bias, bias_scale, transpose_weight, gather_index=None, top_k=1):
-    """`grouped_mm` [M, K] -> [M, out] (and the Triton op's fused gather: rows = permute(x, gather_index, top_k)).
-    Rows past the last group are zero."""
+    """`grouped_mm` [M, K] -> [M, out] (and the Triton op's gather inside the GEMM: rows = permute(x, gather_index,
+    top_k)). Rows past the last group are zero."""
     rows = x if gather_index is None else permute(x, gather_index, top_k)
     num_experts, m = weight.shape[0], rows.shape[0]
     w = weight.transpose(-2, -1) if transpose_weight else weight  # [E, K, out]

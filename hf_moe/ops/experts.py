@@ -30,9 +30,9 @@ from .reference import (
 class DispatchOps:
     """One implementation of each op (pure-torch `reference` or compiled `torch.ops.hf_moe`), and its name.
 
-    `fused_forward` / `fused_backward`, when set, run the whole computation in one call each (compiled CPU), with
-    the schemas of `hf_moe::moe_experts_forward` / `moe_experts_backward`. `fused_forward` must be differentiable
-    by itself (`autograd.register_experts(op, fused_backward)`), so that tracers, torch.export included, keep it
+    `whole_forward` / `whole_backward`, when set, run the whole computation in one call each (compiled CPU, Triton),
+    with the schemas of `hf_moe::moe_experts_forward` / `moe_experts_backward`. `whole_forward` must be differentiable
+    by itself (`autograd.register_experts(op, whole_backward)`), so that tracers, torch.export included, keep it
     as one node that runs with gradients. Otherwise `ExpertsFunction` composes the ops below; an exported program
     then differentiates the ops of its forward one by one, so those need backward formulas too (autograd.py).
     """
@@ -45,11 +45,11 @@ class DispatchOps:
     grouped_mm_weight_grad: Callable
     expert_act: Callable
     expert_act_backward: Callable
-    fused_forward: Callable | None = None
-    fused_backward: Callable | None = None
+    whole_forward: Callable | None = None
+    whole_backward: Callable | None = None
 
 
-def fused_forward_fake(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
+def whole_forward_fake(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h):
     """Shape function of every backend's `moe_experts_forward` (for torch.compile / torch.export):
     (out [N, H], h [M, W] or [0, W] without save_h, sorted_slots [M], slot_to_row [M], tokens_per_expert [E],
     row_weight [M])."""
@@ -61,7 +61,7 @@ def fused_forward_fake(hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2
     )
 
 
-def fused_backward_fake(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
+def whole_backward_fake(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2,
                         activation, glu, need_x, need_weights, need_params):
     """Shape function of every backend's `moe_experts_backward`: (grad_x, grad_top_k_weights [N, k], grad_w1,
     grad_b1, grad_w2, grad_b2), each [0] when not asked for (or without that bias)."""
@@ -77,7 +77,7 @@ def fused_backward_fake(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_ex
 
 
 def composed_forward(ops: DispatchOps, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h=True):
-    """The forward of the module docstring from `ops`, with the fused op's outputs (see `fused_forward_fake`)."""
+    """The forward of the module docstring from `ops`, with the whole-layer op's outputs (see `whole_forward_fake`)."""
     top_k = top_k_index.shape[-1]
     sorted_slots, slot_to_row, tokens_per_expert = ops.sort_by_expert(top_k_index, w1.shape[0])
     row_weight = top_k_weights.reshape(-1).index_select(0, sorted_slots)  # [M]
@@ -146,7 +146,7 @@ def reference_backward(grad_out, x, h, sorted_slots, slot_to_row, tokens_per_exp
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """The expert computation composed from the ops of a `DispatchOps` without fused ops."""
+    """The expert computation composed from the ops of a `DispatchOps` without whole-layer ops."""
 
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, ops: DispatchOps):
@@ -183,10 +183,10 @@ def run_experts(
     """[N, H] -> [N, H] through each token's k experts (see the module docstring)."""
     x = hidden_states.contiguous()
     weights = top_k_weights.to(x.dtype)
-    if ops.fused_forward is None:
+    if ops.whole_forward is None:
         return ExpertsFunction.apply(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, ops)
-    # The fused op keeps h for its backward only when one will run (h is [M, 2I]: inference does without it).
+    # The whole-layer op keeps h for its backward only when one will run (h is [M, 2I]: inference does without it).
     save_h = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weights, w1, b1, w2, b2))
     if ops.name == "compiled" and infer.runs(x, w1, w2, save_h):  # inference on CPU: infer.py says when
         return infer.experts_infer(x, top_k_index, weights, w1, None, b1, w2, None, b2, activation, glu)
-    return ops.fused_forward(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, save_h)[0]
+    return ops.whole_forward(x, top_k_index, weights, w1, b1, w2, b2, activation, glu, save_h)[0]

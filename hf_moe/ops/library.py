@@ -1,7 +1,7 @@
 """Every hf_moe op, defined when hf_moe is imported, so a saved `torch.export` program (.pt2) that calls them loads
 and runs in any process that has done `import hf_moe`, whichever backend traced it.
 
-    hf_moe::         the dispatch ops and the fused expert computation (the compiled backend's). Their schemas
+    hf_moe::         the dispatch ops and the whole-layer expert computation (the compiled backend's). Their schemas
                      are defined here; their default kernel, on every device, is the pure-torch one (reference.py,
                      experts.reference_forward / reference_backward); the C++ extension (csrc/) registers CPU
                      kernels for them when it loads. Nothing is compiled at import: a call on CPU tensors that
@@ -30,7 +30,7 @@ from .reference import (
 from .autograd import register_composable, register_experts
 from . import decode
 from .decompositions import register as register_decompositions
-from .experts import fused_backward_fake, fused_forward_fake, reference_backward, reference_forward
+from .experts import reference_backward, reference_forward, whole_backward_fake, whole_forward_fake
 from .extension import backend_setting, load_extension
 from .infer import infer_fake
 from .int8 import compute_weights
@@ -151,8 +151,8 @@ def _register_fake_kernels() -> None:
         scale = h.new_empty(h.shape[0] if row_scale is not None else 0, dtype=scale_dtype)
         return torch.empty_like(h), scale, h.new_empty(h.shape[0] if return_output else 0, grad.shape[1])
 
-    torch.library.register_fake(lib + "moe_experts_forward", fused_forward_fake, lib=_LIB)
-    torch.library.register_fake(lib + "moe_experts_backward", fused_backward_fake, lib=_LIB)
+    torch.library.register_fake(lib + "moe_experts_forward", whole_forward_fake, lib=_LIB)
+    torch.library.register_fake(lib + "moe_experts_backward", whole_backward_fake, lib=_LIB)
     torch.library.register_fake(lib + "moe_experts_infer", infer_fake, lib=_LIB)
     for name, fake in decode.FAKE_KERNELS.items():
         torch.library.register_fake(lib + name, fake, lib=_LIB)

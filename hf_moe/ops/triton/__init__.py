@@ -4,11 +4,11 @@
     routing.py       sort_by_expert: per-expert counts and the stable permutation, on the device (3 kernels)
     permute.py       permute (gather into expert order) and unpermute (weighted combine)
     activation.py    expert_act and its backward, with the routing weight folded in
-    grouped_gemm.py  grouped GEMM forward / dX and dW over contiguous row groups, with the permute fused in;
+    grouped_gemm.py  grouped GEMM forward / dX and dW over contiguous row groups, with the permute done inside;
                      torch's grouped_mm where it is the fast path
     configs.py       the GEMMs' autotune configs per dtype, fitted to the device's shared memory
-    ops.py           the `torch.ops.hf_moe_triton.*` custom ops, their fake kernels, and the fused expert computation
-                     (defined without importing triton; a kernel that fails to compile falls back to torch)
+    ops.py           the `torch.ops.hf_moe_triton.*` custom ops, their fake kernels, and the whole-layer expert
+                     computation (defined without importing triton; a kernel that fails to compile falls back to torch)
     runtime.py       where the kernels can run, the launch counts, dtype-dependent constants
     aot.py           compiles every kernel for sm90 without a GPU (PTX and cubin) and reads its registers, stack
                      (spills) and shared memory, for the tests and the notes
@@ -67,14 +67,14 @@ def status(device_type: str) -> tuple[bool, str]:
 
 
 def dispatch_ops(activation: str) -> DispatchOps:
-    """The Triton implementation of every op, and the fused expert computation, for a kernel activation name
+    """The Triton implementation of every op, and the whole-layer expert computation, for a kernel activation name
     (others run their activation in torch)."""
-    from .ops import ACTIVATIONS, fused_experts
+    from .ops import ACTIVATIONS, whole_experts
 
-    fused = fused_experts(activation)
+    whole = whole_experts(activation)
     t = torch.ops.hf_moe_triton
     name = "triton" if activation in ACTIVATIONS else "triton, activation in torch"
     return DispatchOps(
-        name, t.sort_by_expert, t.permute, t.unpermute, t.grouped_mm, t.grouped_mm_weight_grad, fused.expert_act,
-        fused.expert_act_backward, t.moe_experts_forward, t.moe_experts_backward,
+        name, t.sort_by_expert, t.permute, t.unpermute, t.grouped_mm, t.grouped_mm_weight_grad, whole.expert_act,
+        whole.expert_act_backward, t.moe_experts_forward, t.moe_experts_backward,
     )

@@ -3,7 +3,7 @@ computation built from them.
 
 The schemas are those of the compiled CPU ops (`torch.ops.hf_moe.*`, library.py) and of `reference.py`;
 `grouped_mm` and `grouped_mm_weight_grad` take an optional `gather_index` that reads the row-major operand in
-token order (the permute fused into the GEMM). As custom ops they are opaque to `torch.compile` (which traces
+token order (the permute done inside the GEMM). As custom ops they are opaque to `torch.compile` (which traces
 around them with the fake kernels) and run inside `ExpertsFunction`, which is their autograd.
 
 Importing this module defines the ops without importing triton (`import hf_moe` does, so a saved exported program
@@ -13,8 +13,9 @@ A kernel that fails to compile (a Triton compiler error, or a config the GPU can
 that op runs its pure-torch implementation from then on in the process, after one RuntimeWarning naming the op,
 the error and HF_MOE_BACKEND=torch (which skips Triton altogether). Errors of ours (bad arguments) still raise.
 
-`FusedExperts` is the whole forward and backward of `ExpertsFunction` (its `fused_forward` / `fused_backward`),
-composed of these ops with the gathers fused: no [M, H] copy of the tokens or of the output gradient is made.
+`WholeExperts` is the whole forward and backward of `ExpertsFunction` (its `whole_forward` / `whole_backward`),
+composed of these ops with the gathers done inside the GEMMs: no [M, H] copy of the tokens or of the output gradient
+is made.
 """
 
 import warnings
@@ -33,7 +34,7 @@ from ..reference import permute as torch_permute
 from ..reference import sort_by_expert as torch_sort_by_expert
 from ..reference import unpermute as torch_unpermute
 from ..autograd import register_experts
-from ..experts import fused_backward_fake, fused_forward_fake
+from ..experts import whole_backward_fake, whole_forward_fake
 
 _NS = "hf_moe_triton::"
 
@@ -184,8 +185,8 @@ def _(grad, h, row_scale, activation, glu, return_output):
 
 
 @dataclass(frozen=True)
-class FusedExperts:
-    """`ExpertsFunction`'s `fused_forward` and `fused_backward` from the Triton ops, with the activation ops given
+class WholeExperts:
+    """`ExpertsFunction`'s `whole_forward` and `whole_backward` from the Triton ops, with the activation ops given
     (the Triton ones, or the pure-torch ones for activations without a kernel)."""
 
     expert_act: Callable
@@ -236,21 +237,21 @@ class FusedExperts:
         return grad_x, grad_weights, grad_w1, grad_b1, grad_w2, grad_b2
 
 
-def fused_experts(activation_name: str) -> FusedExperts:
-    """The fused computation for an activation: Triton's activation kernels when they implement it."""
+def whole_experts(activation_name: str) -> WholeExperts:
+    """The whole-layer computation for an activation: Triton's activation kernels when they implement it."""
     if activation_name in ACTIVATIONS:
-        return FusedExperts(torch.ops.hf_moe_triton.expert_act, torch.ops.hf_moe_triton.expert_act_backward)
-    return FusedExperts(torch_expert_act, torch_expert_act_backward)
+        return WholeExperts(torch.ops.hf_moe_triton.expert_act, torch.ops.hf_moe_triton.expert_act_backward)
+    return WholeExperts(torch_expert_act, torch_expert_act_backward)
 
 
-# The fused computation as two ops with the compiled CPU ops' schemas, the forward differentiable by itself
+# The whole-layer computation as two ops with the compiled CPU ops' schemas, the forward differentiable by itself
 # (autograd.register_experts): `run_experts` calls it directly, and torch.export keeps it as one node.
 @torch.library.custom_op(_NS + "moe_experts_forward", mutates_args=())
 def moe_experts_forward(
     hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
     b2: Optional[Tensor], activation: str, glu: bool, save_h: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out, h, *plan = fused_experts(activation).forward(
+    out, h, *plan = whole_experts(activation).forward(
         hidden_states, top_k_index, top_k_weights, w1, b1, w2, b2, activation, glu, save_h
     )
     return (out, h if save_h else h.new_empty(0, h.shape[1]), *plan)
@@ -262,13 +263,13 @@ def moe_experts_backward(
     row_weight: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor], activation: str,
     glu: bool, need_x: bool, need_weights: bool, need_params: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    grads = fused_experts(activation).backward(
+    grads = whole_experts(activation).backward(
         grad_out, x, h, sorted_slots, slot_to_row, tokens_per_expert, row_weight, w1, b1, w2, b2, activation, glu,
         need_x, need_weights, need_params,
     )
     return tuple(g.clone() if g.numel() == 0 else g for g in grads)  # custom ops return no output twice
 
 
-moe_experts_forward.register_fake(fused_forward_fake)
-moe_experts_backward.register_fake(fused_backward_fake)
+moe_experts_forward.register_fake(whole_forward_fake)
+moe_experts_backward.register_fake(whole_backward_fake)
 register_experts(_NS + "moe_experts_forward", moe_experts_backward)
