@@ -84,7 +84,7 @@ MERGE_CASES = {
 @pytest.mark.parametrize("case", sorted(MERGE_CASES))
 def test_hostile_merge_recipes_are_refused_at_once(dense_sources, tmp_path, capsys, case):
     """`hf-moe merge` wrote NaN/inf experts for residual_scale .nan, noise_scale .inf or 1e300 (and its parity line said
-    0.00e+00); a 700-byte alias bomb cost 50-90 s and 4 GB in a message's repr, then a MemoryError; a deep list, a
+    0.00e+00); a YAML alias bomb of a few hundred bytes expanded in a message's repr until a MemoryError; a deep list, a
     dtype named banana (or int8) and a seed past 2**64 ended in tracebacks or torch's "Overflow when unpacking long
     long". Each is refused at once, naming the field, and nothing is written."""
     import time
@@ -179,9 +179,9 @@ def test_empty_calibration_text_is_named(dense_sources, tmp_path, capsys, conten
 # -- Conversions that cannot fit: refused before any work, with the numbers ------------------------------------------
 @pytest.mark.subprocess
 def test_a_conversion_to_2_to_the_40_experts_is_refused_at_once(dense_sources, tmp_path):
-    """2**40 experts kept growing (memory, files) until the machine gave out; 100000 experts of a 0.4 MB model streamed
-    22 GB in 100,004 files. The output is estimated from the dense model first, streaming and in memory. (In a child
-    process with 4 GB of address space and a timeout: what failed here would otherwise take the machine with it.)"""
+    """2**40 experts kept growing (memory, files) until the machine gave out (docs/checkpoints.md). The output is
+    estimated from the dense model first, streaming and in memory. (In a child process with a bounded address space and
+    a timeout: what failed here would otherwise take the machine with it.)"""
     out = tmp_path / "out"
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)); "
             "from hf_moe.cli import main; "
@@ -200,8 +200,8 @@ def test_a_conversion_to_2_to_the_40_experts_is_refused_at_once(dense_sources, t
 
 
 def test_a_conversion_larger_than_the_free_space_or_memory_is_refused(dense_sources, tmp_path, capsys, monkeypatch):
-    """512 experts of the tiny model (~110 MB) against 50 MB free, and in memory against 50 MB available: refused
-    with the sizes; HF_MOE_SKIP_SIZE_CHECK=1 goes ahead."""
+    """512 experts of the tiny model (more than 50 MB) against 50 MB free, and in memory against 50 MB available:
+    refused with the sizes; HF_MOE_SKIP_SIZE_CHECK=1 goes ahead."""
     import hf_moe.convert.estimate as estimate
 
     monkeypatch.setattr(estimate, "free_space", lambda where: (50 << 20, None))

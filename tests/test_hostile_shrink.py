@@ -94,7 +94,7 @@ print("FOUND " + json.dumps(found))
 @pytest.mark.subprocess
 def test_gigabyte_text_files_are_read_only_as_far_as_needed(moe_dir, tmp_path):
     """`shrink --data`, `inspect --routing --data` and a converter's calibration_data read a whole file and tokenized it
-    as one string although they use a few thousand tokens: 20 MB of text peaked at 7.8 GB. Here each file is 1 GB
+    as one string although they use a few thousand tokens, so memory grew with the file. Here each file is 1 GB
     (text at its start, then a sparse hole), read in a child process with a bounded address space: the text is read
     and tokenized piece by piece until enough tokens are there, and a file that is all hole is refused as binary."""
     head = "".join(f"line {i}: {CORPUS}\n" for i in range(600))  # ~130 KB: two pieces and more, 4096 tokens and more
@@ -105,7 +105,7 @@ def test_gigabyte_text_files_are_read_only_as_far_as_needed(moe_dir, tmp_path):
     hostile(3)
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_MOE_BACKEND": "torch", "MALLOC_ARENA_MAX": "2",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    limit = 3 * GB  # what the child needs with the file unread is about half of it; the file alone is a third
+    limit = 3 * GB  # room for the child with the file unread, not for a 1 GB file read whole and tokenized
     done = subprocess.run([sys.executable, "-c", _CHILD, str(limit), str(moe_dir), str(text), str(records),
                            str(hole), str(tmp_path / "out")], capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("FOUND ")]
@@ -114,8 +114,7 @@ def test_gigabyte_text_files_are_read_only_as_far_as_needed(moe_dir, tmp_path):
     assert found["shrink"] == 4096 and found["inspect"] == 512 and found["split"] == 2048
     assert "holds a NUL character (character 0): it is binary data, not text" in found["hole"]
     # The bound is the child's address space (`limit`): reading a file whole dies there (MemoryError). Its peak RSS
-    # is not asserted on: alone it is about half a GiB, but it was seen at 2.2 GiB once in a full, loaded suite run,
-    # cause not found.
+    # is printed, not asserted on: it varied with the load of the machine (docs/checkpoints.md).
     print(f"peak RSS {found['peak_rss'] / GB:.2f} GiB reading 1 GB files")
     assert not (tmp_path / "out-hole").exists()
 

@@ -175,7 +175,7 @@ def _build(model_type: str, implementation: str):
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Models this small gain nothing from threads, and on a loaded machine OpenMP's waiting makes them 10x slower."""
+    """Models this small gain nothing from threads, and on a loaded machine OpenMP's waiting makes them much slower."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
