@@ -358,3 +358,42 @@ def test_cli_generate_streams_and_reports(saved, tmp_path, capsys):
     assert "fewer than the 2 experts" in capsys.readouterr().err
     assert main(["generate", str(saved), "x", "--offload-experts", "disk", "--max-expert-memory", "much"]) == 2
     assert "is not a size" in capsys.readouterr().err
+
+
+def _storage_reads() -> int:
+    """Bytes this process has had read from storage (page cache misses, read-ahead included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def _evict(directory) -> None:
+    os.sync()
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io") or not hasattr(os, "posix_fadvise"),
+                    reason="needs Linux's /proc/self/io and posix_fadvise to count reads from storage")
+def test_an_expert_read_takes_only_its_bytes_from_storage(saved):
+    """Reading an expert from disk reads its bytes and no read-ahead: under a memory limit smaller than the model,
+    read-ahead pages (the kernel's default window reaches other experts) are evicted before use and read again, so
+    every read cost several times its bytes."""
+    model = MoEForCausalLM.from_pretrained(saved, offload_experts="disk", max_expert_memory=3 * EXPERT_BYTES)
+    store = expert_cache(model).store
+    whole = os.path.join(saved, "model-expert-00000.safetensors")
+    _evict(saved)
+    before = _storage_reads()
+    with open(whole, "rb") as f:
+        f.read()
+    if _storage_reads() - before < os.path.getsize(whole):
+        pytest.skip("this filesystem does not report reads from storage in /proc/self/io (tmpfs?)")
+    _evict(saved)
+    dst = {name: torch.empty(shape) for name, shape in store.layout.shapes.items()}
+    before = _storage_reads()
+    assert store.read_into(0, 0, dst) == EXPERT_BYTES  # the first layer's: where the file's read-ahead starts
+    extra = _storage_reads() - before - EXPERT_BYTES
+    assert extra <= 2 * len(dst) * 4096, f"{extra} bytes read beyond the expert's {EXPERT_BYTES} (read-ahead)"

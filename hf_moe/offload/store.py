@@ -116,7 +116,10 @@ class DiskExperts:
     read: no extra I/O); every read checks that its file still has the size, modification time and inode change time
     it had at load, so a file overwritten in place is an error, never wrong logits. `pread` copies through the page
     cache into the destination: no mapping of the files stays resident in this process (a mapping's touched pages
-    would count in its RSS).
+    would count in its RSS). Read-ahead is off on these descriptors (POSIX_FADV_RANDOM): a read takes the expert's
+    bytes only. The kernel's window would read on into experts the router did not pick, and under a memory limit
+    smaller than the model (the case offloading is for) those pages are evicted before any use, so every expert read
+    cost several times its bytes (benchmarks/offload.py --memory-limit; docs/offload.md).
     """
 
     def __init__(self, directory: str | os.PathLike, layout: ExpertLayout, verify_checksums: bool | None = None):
@@ -152,6 +155,8 @@ class DiskExperts:
                             header, raw = header_of(f, filename)  # checks the file holds every byte it declares
                         info = os.fstat(fd)
                         self._stats[filename] = _identity(info)
+                        if hasattr(os, "posix_fadvise"):  # after the header: no read-ahead on this descriptor
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                         headers[filename] = (header, len(raw))
                     header, data_start = headers[filename]
                     self._spans[layer, expert, name] = _check_entry(
