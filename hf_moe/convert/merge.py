@@ -242,7 +242,7 @@ class _Plan:
         """Expert e of `layer` as hf_moe's `Experts` computes it from the bytes just written, against the source MLP
         on 16 random hidden states: the largest gap goes into `config.moe_conversion` (`max_abs_expert_diff`)."""
         from ..layers.experts import Experts
-        from .adapters import expert_forward
+        from ..dense_mlp import expert_forward
 
         if self._experts is None:
             one = copy.deepcopy(self.config)
