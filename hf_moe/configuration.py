@@ -205,8 +205,9 @@ class MoEConfig(PreTrainedConfig):
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig"):
         """Does nothing. transformers calls it when it loads a checkpoint's `auto_map` code; marking this class
-        would make every later save copy hf_moe's source files into the checkpoint. An hf_moe checkpoint's
-        `auto_map` always points at the small shim `hf_moe.checkpoint` writes, which imports the installed package."""
+        would make every later save copy hf_moe's source files into the checkpoint. hf_moe no longer writes
+        `auto_map` (checkpoint.format); a checkpoint an older hf_moe saved may carry it, pointing at the small
+        `modeling_hf_moe.py` shim that imports the installed package, and still loads through it."""
 
     @property
     def moe_init_std(self) -> float:

@@ -1,8 +1,8 @@
-"""The on-disk format: file and key names, dtypes, limits, the checksum algorithms, and the `auto_map` shim.
+"""The on-disk format: file and key names, dtypes, limits, the checksum algorithms, and what older checkpoints' `auto_map` shim is.
 
 Layout of a saved directory:
 
-    config.json, generation_config.json, README.md (model card), modeling_hf_moe.py (the `auto_map` shim)
+    config.json, generation_config.json, README.md (model card)   (older saves: also modeling_hf_moe.py, the shim)
     model-00001-of-0000N.safetensors              every non-expert tensor (embeddings, attention, routers, ...)
     model-expert-00000.safetensors                expert 0 of every MoE layer
     ...

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..memory import SKIP_VARIABLE, available_memory, format_bytes, size_check_skipped
 
-_SMALL_FILES = 6  # config, generation config, index, model card, auto_map shim, a tokenizer file or two
+_SMALL_FILES = 6  # config, generation config, index, model card, a tokenizer file or two (one to spare)
 
 
 @dataclass(frozen=True)

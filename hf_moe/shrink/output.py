@@ -2,7 +2,7 @@
 
     hf_moe   one file per expert index (`model-expert-0000e.safetensors`, e < keep), the others in
              `model-0000k-of-0000n.safetensors`, the index with every file's checksum, config, generation config,
-             model card and the `auto_map` shim (`hf_moe.checkpoint.save.finish`), the tokenizer files copied;
+             model card (`hf_moe.checkpoint.save.finish`: no `auto_map` or shim), the tokenizer files copied;
     native   transformers' files (`model.safetensors`, or `model-0000k-of-0000n.safetensors` and the index), the
              source's config.json with the expert count (and top-k) changed and nothing else, its generation config
              and tokenizer files copied byte for byte.
