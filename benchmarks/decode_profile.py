@@ -13,18 +13,21 @@ alike). Modes:
     cpp_wrapper    the same with inductor's C++ wrapper (the kernels called from one C++ function)
     freezing       weights folded into the graph as constants and prepacked for oneDNN
     max_autotune   freezing, plus inductor's CPU GEMM templates (benchmarked against ATen's at compile time)
-    fused          hf_moe's fused decode step (hf_moe.decode): one call of the model's plan where the model
-                   allows it (hf_moe.decode_one_op), else compiled with hf_moe's default options (the C++ wrapper)
-    fused_compiled the fused step compiled, where fused would be one op call (one_op=False)
-    fused_python   the compiled fused step with inductor's Python wrapper
-    fused_checked  the compiled fused step with Dynamo's guards checked on every step (fused_compiled: on the first
-                   step only); with fused_compiled in the same run, the same compiled program
-    aoti           the fused step exported (torch.export) and compiled ahead of time by AOTInductor into a package,
-                   loaded and run from C++ (torch._inductor.aoti_load_package)
+    hf_moe_step    hf_moe's decode step (hf_moe.decode): one call of the model's plan where the model allows it
+                   (hf_moe.decode_one_op), else the attention-block step compiled with hf_moe's default options (the
+                   C++ wrapper)
+    attention_block  the attention-block step compiled, where hf_moe_step would be one op call (one_op=False)
+    attention_block_python  the attention-block step with inductor's Python wrapper
+    attention_block_checked  the attention-block step with Dynamo's guards checked on every step
+                   (attention_block: on the first step only); with attention_block in the same run, the same
+                   compiled program
+    aoti           the attention-block step exported (torch.export) and compiled ahead of time by AOTInductor into
+                   a package, loaded and run from C++ (torch._inductor.aoti_load_package)
+(before these names: fused, fused_compiled, fused_python, fused_checked, still accepted with a warning)
 
 Kernels: each timed alone, the median of --repeats passes that call it once per layer on each layer's own weights
 (as a step does: the weights come from memory, not from a cache one layer's weights would fit in).
-The fused attention sub-block (hf_moe::decode_attention_block) beside the transformers ops it replaces run one by
+The attention sub-block as one op (hf_moe::decode_attention_block) beside the transformers ops it replaces run one by
 one, the router, the experts (hf_moe's op, one token, its k experts), the final norm and the LM head (ATen's GEMM and
 hf_moe::linear_infer). What a step takes beyond the sum of a mode's kernels is everything else: the embedding, the
 rotary embedding's cos/sin, residual adds, the cache length updates, and the dispatch between kernels. The weights a
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serve_worker import MODES  # noqa: E402  (benchmarks/: the compiled modes and their settings)
+from decode_modes import MODES, mode_names  # noqa: E402  (benchmarks/: the compiled modes and their settings)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -83,9 +86,9 @@ class Mode:
     """One way of running decode steps, on a cache of its own."""
 
     def __init__(self, name: str, model, prompt: torch.Tensor, cache_len: int, programs: dict | None = None):
-        """`programs`: {inductor options: compiled fused step}, shared by the fused modes of a run, so that
-        fused_compiled and fused_checked run one compiled program (one Dynamo cache entry) and differ only in the
-        guards checked."""
+        """`programs`: {inductor options: compiled attention-block step}, shared by the hf_moe modes of a run, so
+        that attention_block and attention_block_checked run one compiled program (one Dynamo cache entry) and
+        differ only in the guards checked."""
         from transformers import DynamicCache, StaticCache
 
         from hf_moe.compat import cache_kwargs, static_cache_layers
@@ -104,7 +107,7 @@ class Mode:
         self.run = self._build()
 
     def _build(self):
-        from hf_moe.decode import FusedDecodeStep
+        from hf_moe.decode import DecodeStep
         from hf_moe.generation import DECODE_OPTIONS, decode_compile_config
 
         if self.name == "eager":
@@ -114,10 +117,10 @@ class Mode:
             return self._aoti()
         settings = MODES[self.name]
         options = DECODE_OPTIONS if settings.get("options") is None else settings["options"]
-        if settings["fused"]:  # as generate calls it: its guards checked on the first step, skipped after
+        if settings["hf_moe_step"]:  # as generate calls it: its guards checked on the first step, skipped after
             config = decode_compile_config(options=options, skip_guards=settings.get("skip_guards", True),
                                            one_op=settings.get("one_op", True))
-            step = FusedDecodeStep(self.model, config, None)
+            step = DecodeStep(self.model, config, None)
             step.compiled = self.programs.setdefault(repr(sorted((options or {}).items())), step.compiled)
             return lambda: step(input_ids=self.token, position_ids=self._positions(),
                                 attention_mask=self._mask()[:, None, None], **self.cache_kwargs).logits
@@ -126,11 +129,11 @@ class Mode:
                                use_cache=True, **self.cache_kwargs).logits
 
     def _aoti(self):
-        """The fused step through torch.export and AOTInductor: a package on disk, loaded back and run."""
-        from hf_moe.decode import FusedDecodeStep
+        """The attention-block step through torch.export and AOTInductor: a package on disk, loaded back and run."""
+        from hf_moe.decode import DecodeStep
         from hf_moe.generation import decode_compile_config
 
-        step = FusedDecodeStep(self.model, decode_compile_config(), fallback=None)
+        step = DecodeStep(self.model, decode_compile_config(), fallback=None)
         layers = self.static_layers(self.cache)
 
         class Step(torch.nn.Module):
@@ -190,14 +193,14 @@ def kernels(model, repeats: int) -> dict[str, float]:
     routings = [block.gate(x) for block in blocks]
     dispatch = [(r.dispatch_index(), r.top_k_weights) for r in routings]
 
-    def fused_block(layer):
+    def block_as_one_op(layer):
         attn = layer.self_attn
         torch.ops.hf_moe.decode_attention_block(
             x, layer.input_layernorm.weight, 1e-5, *linear_weights(attn.q_proj), *linear_weights(attn.k_proj),
             *linear_weights(attn.v_proj), *linear_weights(attn.o_proj), None, None, 1e-6, cos, sin, keys, values,
             position, mask, attn.scaling, layer.post_attention_layernorm.weight, 1e-5)
 
-    def unfused_block(layer):  # transformers' ops, one by one (eager)
+    def block_op_by_op(layer):  # transformers' ops, one by one (eager)
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         qs = attn.q_proj(h).view(1, heads, 1, d)
@@ -221,12 +224,12 @@ def kernels(model, repeats: int) -> dict[str, float]:
     head = model.lm_head
     head_weight, head_scale, head_bias = linear_weights(head)
     parts = {
-        "attention sub-block, transformers' ops one by one": median_ms(per_step(unfused_block, layers), repeats),
+        "attention sub-block, transformers' ops one by one": median_ms(per_step(block_op_by_op, layers), repeats),
         "  of which the q/k/v/o projections (ATen)": median_ms(per_step(projections, layers), repeats),
         "  of which attention (SDPA over a 256-position static cache)": len(layers) * median_ms(
             lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], enable_gqa=True),
             repeats),
-        "attention sub-block, hf_moe::decode_attention_block": median_ms(per_step(fused_block, layers), repeats),
+        "attention sub-block, hf_moe::decode_attention_block": median_ms(per_step(block_as_one_op, layers), repeats),
         "router": median_ms(per_step(lambda block: block.gate(x), blocks), repeats),
         "experts (hf_moe::moe_experts_infer)": median_ms(
             per_step(lambda i: blocks[i].experts(x, *dispatch[i]), range(len(blocks))), repeats),
@@ -239,8 +242,8 @@ def kernels(model, repeats: int) -> dict[str, float]:
     return parts
 
 
-FUSED_PARTS = ("attention sub-block, hf_moe::decode_attention_block", "router", "experts (hf_moe::moe_experts_infer)",
-               "final norm", "LM head, hf_moe::linear_infer")
+STEP_PARTS = ("attention sub-block, hf_moe::decode_attention_block", "router", "experts (hf_moe::moe_experts_infer)",
+              "final norm", "LM head, hf_moe::linear_infer")
 
 
 def main() -> None:
@@ -251,8 +254,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--modes", default="eager,compiled,cpp_wrapper,fused",
-                   help=f"eager, aoti, {', '.join(MODES)}")
+    p.add_argument("--modes", default="eager,compiled,cpp_wrapper,hf_moe_step",
+                   help=f"eager, aoti, {', '.join(MODES)} (fused, fused_*: their former names)")
     p.add_argument("--cache-len", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -266,7 +269,7 @@ def main() -> None:
     assert prompt.shape[1] + args.steps + 20 <= args.cache_len
     modes, warm, programs = [], {}, {}
     with torch.inference_mode():
-        for name in args.modes.split(","):
+        for name in mode_names(args.modes):
             start = time.perf_counter()
             try:
                 mode = Mode(name, model, prompt, args.cache_len, programs)
@@ -283,7 +286,7 @@ def main() -> None:
         parts = kernels(model, args.repeats)
 
     nbytes = step_bytes(model)
-    fused = sum(parts[k] for k in FUSED_PARTS)
+    summed = sum(parts[k] for k in STEP_PARTS)
     print(f"{type(model).__name__} ({model.config.num_hidden_layers} layers), {args.dtype}"
           f"{', int8 ' + args.int8 if args.int8 else ''}, {args.threads} threads, torch {torch.__version__}, load "
           f"average {os.getloadavg()[0]:.1f}. A step reads {nbytes / 2**20:,.0f} MiB of weights. Steps: median "
@@ -299,7 +302,8 @@ def main() -> None:
     print("\n| kernel (timed alone, each layer's own weights) | ms per step |\n|---|---|")
     for name, ms in parts.items():
         print(f"| {name} | {ms:.2f} |")
-    print(f"| the fused step's kernels, summed | {fused:.2f} ({nbytes / fused / 1e6:.1f} GB/s of weights) |")
+    print(f"| the attention-block step's kernels, summed | {summed:.2f} "
+          f"({nbytes / summed / 1e6:.1f} GB/s of weights) |")
 
 
 if __name__ == "__main__":

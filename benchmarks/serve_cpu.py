@@ -45,6 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from decode_modes import HF_MOE_MODES, MODES, mode_names  # noqa: E402  (benchmarks/)
 from llamacpp import DEFAULT_DIR, convert, installed, llamacpp_worker  # noqa: E402  (benchmarks/)
 from spread import cell  # noqa: E402
 from workers import Worker  # noqa: E402
@@ -111,7 +112,7 @@ def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[s
             continue
         # int8: the experts only, and (int8all) the attention projections and the LM head too (--int8)
         for variant in args.int8 if precision == "int8" else [precision]:
-            modes = list(args.modes) if engine == "hf_moe" else [m for m in args.modes if not m.startswith("fused")]
+            modes = list(args.modes) if engine == "hf_moe" else [m for m in args.modes if m not in HF_MOE_MODES]
             workers.append((f"{engine} {variant}", python_worker(engine, dirs[engine], variant, args), modes))
     context = max(max(args.prefill) + args.new_tokens + 64, args.loss_window + 8,
                   len(args.texts.question) + args.new_tokens + 8)
@@ -264,9 +265,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="a tiny random model, tiny sizes, no llama.cpp")
     p.add_argument("--workdir", default="serve-work", help="exports, GGUF files and the corpus are kept here")
     p.add_argument("--precisions", default="fp32,bf16,int8")
-    p.add_argument("--modes", default="eager,compiled,fused",
-                   help="eager, and the compiled decode steps of serve_worker.py's MODES: compiled, cpp_wrapper, "
-                        "freezing, max_autotune, fused, fused_python, fused_checked (fused*: hf_moe only)")
+    p.add_argument("--modes", default="eager,compiled,hf_moe_step",
+                   help=f"eager, and the compiled decode steps of decode_modes.py's MODES: {', '.join(MODES)} "
+                        f"({', '.join(sorted(HF_MOE_MODES))}: hf_moe only; fused, fused_*: their former names)")
     p.add_argument("--int8", default="int8,int8all",
                    help="hf_moe's int8 contestants: int8 (experts), int8all (experts and the other linear layers)")
     p.add_argument("--engines", default="hf_moe,native,llamacpp")
@@ -287,7 +288,7 @@ def main() -> None:
     elif not args.model:
         p.error("--model is required (or --smoke)")
     args.prefill = [int(n) for n in args.prefill.split(",")]
-    args.precisions, args.modes = args.precisions.split(","), args.modes.split(",")
+    args.precisions, args.modes = args.precisions.split(","), mode_names(args.modes)
     args.int8 = args.int8.split(",")
     args.engines = [e for e in args.engines.split(",") if e]
     if args.repeats < 1 or args.new_tokens < 2:

@@ -21,13 +21,16 @@ Commands (each generate/nll on a fresh cache):
              cpp_wrapper   transformers' decode step, inductor's C++ wrapper (one C++ function calls the kernels)
              freezing      transformers' decode step, weights folded as constants and prepacked for oneDNN
              max_autotune  freezing, plus inductor's CPU GEMM templates benchmarked against ATen's
-             fused         hf_moe's fused decode step (hf_moe.decode): one call of the model's plan where the
-                           model allows it (hf_moe.decode_one_op), else compiled with hf_moe's default options (the
-                           C++ wrapper); transformers' own models ignore `fused` and run `cpp_wrapper`
-             fused_compiled the fused step compiled (`one_op=False`), where fused would be one op call
-             fused_python  the compiled fused step with inductor's Python wrapper
-             fused_checked the compiled fused step with Dynamo's guards checked on every step (`skip_guards=False`;
-                           fused_compiled checks them on each call's first step only)
+             hf_moe_step   hf_moe's decode step (hf_moe.decode): one call of the model's plan where the model
+                           allows it (hf_moe.decode_one_op), else the attention-block step compiled with hf_moe's
+                           default options (the C++ wrapper); transformers' own models ignore it and run
+                           `cpp_wrapper`
+             attention_block  the attention-block step compiled (`one_op=False`), where hf_moe_step would be one
+                           op call
+             attention_block_python  the attention-block step with inductor's Python wrapper
+             attention_block_checked  the attention-block step with Dynamo's guards checked on every step
+                           (`skip_guards=False`; attention_block checks them on each call's first step only)
+           (before these names: fused, fused_compiled, fused_python, fused_checked; benchmarks/decode_modes.py)
     {"op": "nll", "tokens": [ids]} -> {"nll": sum of -log p(token i | tokens < i) for i >= 1, "count"}
     {"op": "rss"} -> {"peak_rss": VmHWM bytes, "rss": VmRSS bytes}
 """
@@ -44,19 +47,8 @@ import traceback
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16, "int8all": torch.bfloat16}
-# mode -> hf_moe.generation.decode_compile_config's arguments (see the docstring)
-FREEZING = {"freezing": True}
-MODES = {
-    "compiled": dict(fused=False, options={}),
-    "cpp_wrapper": dict(fused=False, options={"cpp_wrapper": True}),
-    "freezing": dict(fused=False, options=FREEZING),
-    "max_autotune": dict(fused=False, options={**FREEZING, "max_autotune": True,
-                                               "max_autotune_gemm_backends": "CPP,ATEN"}),
-    "fused": dict(fused=True),
-    "fused_compiled": dict(fused=True, one_op=False),
-    "fused_python": dict(fused=True, options={}, one_op=False),
-    "fused_checked": dict(fused=True, skip_guards=False, one_op=False),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_modes import MODES  # noqa: E402  (benchmarks/: mode -> decode_compile_config's arguments)
 
 
 def status_bytes(field: str) -> int:

@@ -1,19 +1,20 @@
-"""hf_moe's fused decode step: one token of a model with Llama's decoder layer, over a static KV cache, compiled once
-into one program.
+"""hf_moe's decode step: one token of a model with Llama's decoder layer, over a static KV cache, either one call of
+the model's plan (the one-op step) or the attention-block step, compiled once into one program.
 
 transformers' decode step calls, per layer, a norm, three projections, the rotary embedding, the cache update,
-attention, the o projection, the residual add and another norm before the MLP: a dozen kernels, each a dispatch and a
-parallel region, most of them on a few hundred numbers. The fused step runs that whole attention sub-block as one
-op, `hf_moe::decode_attention_block` (csrc/cpu/decode_cpu.cpp; reference in hf_moe/ops/decode.py), and leaves the
-rest to the model's own modules: the embedding, the rotary embedding's cos/sin, the MLP (an hf_moe MoE block, whose
-experts run `hf_moe::moe_experts_infer`, or a dense MLP), the final norm and the LM head (`hf_moe::linear_infer`
-when it is int8 or a decode-sized product). The step is compiled with `torch.compile(fullgraph=True, dynamic=False)`
-(and the inductor options of `hf_moe.generation.DECODE_OPTIONS`), so no Python runs between its kernels.
+attention, the o projection, the residual add and another norm before the MLP: a dozen kernels, each a dispatch and
+a parallel region, most of them on a few hundred numbers. The attention-block step runs that whole attention
+sub-block as one op, `hf_moe::decode_attention_block` (csrc/cpu/decode_cpu.cpp; reference in hf_moe/ops/decode.py),
+and leaves the rest to the model's own modules: the embedding, the rotary embedding's cos/sin, the MLP (an hf_moe
+MoE block, whose experts run `hf_moe::moe_experts_infer`, or a dense MLP), the final norm and the LM head
+(`hf_moe::linear_infer` when it is int8 or a decode-sized product). The step is compiled with
+`torch.compile(fullgraph=True, dynamic=False)` (and the inductor options of `hf_moe.generation.DECODE_OPTIONS`), so
+no Python runs between its kernels.
 
 Where every layer is one its kernels compute with nothing around them (an hf_moe MoE block with the plain top-k
 router, one of transformers' own MoE blocks, a dense MLP: `hf_moe.decode_one_op.one_op_reason`), the step is not
 compiled at all: it is one call of the model's plan (`hf_moe.decode_one_op.DecodePlan`), which runs the same kernels
-layer by layer in C++ (faster than the compiled step on the quickstart's model, docs/serving-cpu.md, and no
+layer by layer in C++ (faster than the attention-block step on the quickstart's model, docs/serving-cpu.md, and no
 compilation on the first call). transformers' own Mixtral, Qwen2-MoE and Qwen3-MoE run it through
 `hf_moe.generate(model, ...)` (hf_moe.generation), their `generate` being transformers' own.
 
@@ -21,24 +22,27 @@ Which engine decodes a model is decided in one place, `choose_decode`, which giv
 
   one_op    the plan's step (hf_moe.decode_one_op): `generate`'s default on CPU wherever it serves the model, and what
             a static cache gets there too;
-  fused     the compiled fused step (a static cache asked for, the one-op step not serving the model, or
-            `decode_compile_config(one_op=False)`);
-  compiled  transformers' compiled forward (a static cache, and a model whose layers the fused step does not cover,
-            or a `compile_config` of the caller's own);
+  attention_block
+            the compiled attention-block step (a static cache asked for, the one-op step not serving the model,
+            or `decode_compile_config(one_op=False)`); its former name, `fused`, still compares equal, with a
+            DeprecationWarning, for one release;
+  compiled  transformers' compiled forward (a static cache, and a model whose layers the attention-block step does
+            not cover, or a `compile_config` of the caller's own);
   eager     the model's forward, nothing compiled (the default wherever the one-op step does not serve the model:
             no minute-long first call a user did not ask for).
 
-The fused step needs CPU, fp32 or bf16, the compiled extension loaded, and decoder layers of a family that shares
-Llama's (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer without sliding windows) over
-an RMSNorm'd backbone. Any call that is not one decode token (a prompt, outputs of attentions or hidden states,
-another cache) runs the fallback (transformers' compiled forward, or the model's forward where nothing is compiled),
-as it would without hf_moe. The greedy tokens are the eager model's (tests/test_decode.py): the fused op rounds
-every intermediate the eager bf16 model rounds, where it rounds it.
+The attention-block step needs CPU, fp32 or bf16, the compiled extension loaded, and decoder layers of a family that
+shares Llama's (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer without sliding
+windows) over an RMSNorm'd backbone. Any call that is not one decode token (a prompt, outputs of attentions or
+hidden states, another cache) runs the fallback (transformers' compiled forward, or the model's forward where
+nothing is compiled), as it would without hf_moe. The greedy tokens are the eager model's (tests/test_decode.py):
+the attention-block op rounds every intermediate the eager bf16 model rounds, where it rounds it.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +56,7 @@ from .ops import backend_setting, load_extension
 
 # Decoder layers (and their attention) computing what LlamaDecoderLayer computes: pre-norm attention with rotary
 # embeddings (Qwen3, Qwen3-MoE: and a per-head RMSNorm of q and k), pre-norm MLP, residual adds; the last four are
-# transformers' MoE families (served by the one-op step only: the compiled fused step is hf_moe models')
+# transformers' MoE families (served by the one-op step only: the attention-block step is hf_moe models')
 LAYERS = {
     "LlamaDecoderLayer": "LlamaAttention", "MistralDecoderLayer": "MistralAttention",
     "Qwen2DecoderLayer": "Qwen2Attention", "Qwen3DecoderLayer": "Qwen3Attention",
@@ -64,8 +68,34 @@ BACKBONES = {"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "MixtralM
              "Qwen3MoeModel", "OlmoeModel"}
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm", "Qwen2MoeRMSNorm",
          "Qwen3MoeRMSNorm", "OlmoeRMSNorm"}
-ONE_OP, FUSED, COMPILED, EAGER = "one_op", "fused", "compiled", "eager"  # the engines (module docstring)
+ONE_OP, ATTENTION_BLOCK, COMPILED, EAGER = "one_op", "attention_block", "compiled", "eager"  # (module docstring)
+FORMER_ENGINES = {"fused": ATTENTION_BLOCK}  # deprecated engine name -> its name now (equal for one release)
 logger = logging.getLogger("hf_moe")
+
+
+class Engine(str):
+    """An engine's name (a str), which for one release also equals its former name (`FORMER_ENGINES`), warning."""
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str) and FORMER_ENGINES.get(str(other)) == str(self) and str(other) != str(self):
+            warnings.warn(f"the decode engine {other!r} is now called {str(self)!r}; {other!r} is deprecated",
+                          DeprecationWarning, stacklevel=2)
+            return True
+        return str.__eq__(self, other)
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
+def __getattr__(name: str):
+    """The former public names (the attention-block step was "fused", a word kept for stacked expert weights)."""
+    former = {"FUSED": "ATTENTION_BLOCK", "FusedDecodeStep": "DecodeStep"}
+    if name in former:
+        warnings.warn(f"hf_moe.decode.{name} is deprecated: use {former[name]}", DeprecationWarning, stacklevel=2)
+        return globals()[former[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_norm(module) -> bool:
@@ -76,8 +106,8 @@ def _is_projection(module) -> bool:
     return isinstance(module, (nn.Linear, QuantizedLinear))
 
 
-def _fused_reason(model) -> str | None:
-    """Why the fused decode step cannot run `model` (None: it can)."""
+def _attention_block_reason(model) -> str | None:
+    """Why the attention-block step cannot run `model` (None: it can)."""
     backbone = getattr(model, "model", None)
     if backbone is None or not any(c.__name__ in BACKBONES for c in type(backbone).__mro__):
         return f"its backbone ({type(backbone).__name__}) is not one of {', '.join(sorted(BACKBONES))}"
@@ -88,7 +118,7 @@ def _fused_reason(model) -> str | None:
         return "its backbone has no RMSNorm final norm and rotary embedding"
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
-        return f"it is {param.dtype} on {param.device.type} (the fused step runs fp32 and bf16 on CPU)"
+        return f"it is {param.dtype} on {param.device.type} (the attention-block step runs fp32 and bf16 on CPU)"
     if getattr(model, "hf_device_map", None) is not None:
         return "accelerate placed it (device_map)"
     config = model.config
@@ -125,10 +155,14 @@ def _fused_reason(model) -> str | None:
 
 @dataclass(frozen=True)
 class DecodeChoice:
-    """The engine that decodes a model's tokens (ONE_OP, FUSED, COMPILED or EAGER: module docstring) and why."""
+    """The engine that decodes a model's tokens (ONE_OP, ATTENTION_BLOCK, COMPILED or EAGER: module docstring; an
+    `Engine`) and why."""
 
     engine: str
     reason: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "engine", Engine(self.engine))
 
     def __str__(self) -> str:
         return f"{self.engine} ({self.reason})"
@@ -158,18 +192,18 @@ def choose_decode(model, batch: int | None = None, config=None) -> DecodeChoice:
     """The engine that decodes `model`'s tokens, and why: the one place that decides (module docstring).
 
     `config`: the call's compile config, None for the plain call (nothing is compiled: the one-op step or eager);
-    hf_moe's `DecodeCompileConfig` says with `compile=False` that nothing is compiled either, with `fused` and
-    `one_op` which compiled step may run; any other `CompileConfig` compiles transformers' forward. `batch`: the
+    hf_moe's `DecodeCompileConfig` says with `compile=False` that nothing is compiled either, with `hf_moe_step`
+    and `one_op` which step may run; any other `CompileConfig` compiles transformers' forward. `batch`: the
     rows decoded together, where known."""
     compiling = config is not None and getattr(config, "compile", True)
-    if compiling and not getattr(config, "fused", False):
+    if compiling and not getattr(config, "hf_moe_step", False):
         return DecodeChoice(COMPILED, "the compile config is not hf_moe's decode_compile_config()")
-    reason = _fused_reason(model)
+    reason = _attention_block_reason(model)
     if reason is not None:
         return DecodeChoice(COMPILED if compiling else EAGER, reason)
-    otherwise = FUSED if compiling else EAGER
+    otherwise = ATTENTION_BLOCK if compiling else EAGER
     if config is not None and not getattr(config, "one_op", True):
-        return DecodeChoice(otherwise, "decode_compile_config(one_op=False) asks for the compiled fused step")
+        return DecodeChoice(otherwise, "decode_compile_config(one_op=False) asks for the attention-block step")
     reason = one_op_reason(model) or _call_reason(model, batch)
     if reason is not None:
         return DecodeChoice(otherwise, reason)
@@ -187,7 +221,7 @@ def say(model, choice: DecodeChoice) -> None:
 
 def _full_attention_mask(mask):
     """The bool [B, L] mask of a decode step (transformers passes [B, 1, 1, L], or a dict of them by layer type),
-    or False when the step's mask is something else (the fused step then does not run)."""
+    or False when the step's mask is something else (hf_moe's step then does not run)."""
     if isinstance(mask, dict):
         if set(mask) != {"full_attention"}:
             return False
@@ -205,13 +239,13 @@ def _decode_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     return torch.ops.hf_moe.linear_infer(x, weight, scale, bias)
 
 
-class FusedDecodeStep:
+class DecodeStep:
     """The decode step of `model` (a callable taking `forward`'s keyword arguments) for a compile config `config`
     (hf_moe.generation.DecodeCompileConfig): each decode token (one token per row on an initialised static cache)
     runs the engine `choose_decode` picks at the first decode step of each `generate` call (the one-op plan, or this
     step's compiled program), and any other call `fallback()`'s callable (transformers' compiled forward, or the
     model's forward where `config.compile` is False). With `config.huge_pages` (the default), each call's first
-    fused step asks for the model's weights on transparent huge pages (hf_moe.huge_pages).
+    step asks for the model's weights on transparent huge pages (hf_moe.huge_pages).
 
     Compiled on the first call (`torch.compile(fullgraph=True, dynamic=False, options=config.options)`), once per
     batch size and cache length, as transformers' own compiled step; never where `config.compile` is False.
@@ -254,7 +288,7 @@ class FusedDecodeStep:
         if decided is None:
             choice = choose_decode(self.model, batch, self.config)
             say(self.model, choice)
-            if self.huge_pages and not self.decided and choice.engine in (ONE_OP, FUSED):
+            if self.huge_pages and not self.decided and choice.engine in (ONE_OP, ATTENTION_BLOCK):
                 self.huge_page_bytes = back_with_huge_pages([*self.model.parameters(), *self.model.buffers()])
             decided = self.decided[batch] = (choice, plan_for(self.model) if choice.engine == ONE_OP else None)
         return decided
@@ -282,7 +316,7 @@ class FusedDecodeStep:
     def __call__(self, **kwargs):
         call = self._decode_call(kwargs)
         engine = None if call is None else self._engine(call[0].shape[0])
-        if engine is None or engine[0].engine not in (ONE_OP, FUSED):
+        if engine is None or engine[0].engine not in (ONE_OP, ATTENTION_BLOCK):
             self.trusted = None
             return self.fallback()(**kwargs)
         choice, plan = engine
@@ -324,25 +358,25 @@ class FusedDecodeStep:
         return _decode_linear(hidden, self.model.lm_head)[:, None]  # [B, 1, V]
 
 
-def decode_step(model, config, fallback) -> FusedDecodeStep | None:
-    """The fused step of `model` for a compile config (`hf_moe.generation.DecodeCompileConfig`), made once per
+def decode_step(model, config, fallback) -> DecodeStep | None:
+    """The decode step of `model` for a compile config (`hf_moe.generation.DecodeCompileConfig`), made once per
     config and kept on the model (`_hf_moe_decode_steps`: (config, step) pairs, so one compilation per config), or
-    None where the config compiles and the fused step does not cover the model's layers (transformers' compiled
-    forward then runs). Where the config compiles nothing (`compile=False`), there is always a step, and its
+    None where the config compiles and the attention-block step does not cover the model's layers (transformers'
+    compiled forward then runs). Where the config compiles nothing (`compile=False`), there is always a step, and its
     fallback is the model's own forward."""
     steps = model.__dict__.setdefault("_hf_moe_decode_steps", [])
     step = next((step for known, step in steps if known == config), False)
     if step is False:
         if not getattr(config, "compile", True):
-            step = FusedDecodeStep(model, config, lambda: model.__call__)
+            step = DecodeStep(model, config, lambda: model.__call__)
         else:
-            step = FusedDecodeStep(model, config, fallback) if _fused_reason(model) is None else None
+            step = DecodeStep(model, config, fallback) if _attention_block_reason(model) is None else None
         steps.append((config, step))
     return step
 
 
 def reset_decode_steps(model) -> None:
-    """`FusedDecodeStep.reset` of every step made for `model` (a new `generate` call)."""
+    """`DecodeStep.reset` of every step made for `model` (a new `generate` call)."""
     for _, step in model.__dict__.get("_hf_moe_decode_steps", []):
         if step is not None:
             step.reset()

@@ -2,14 +2,16 @@
 while the weights stay the same, whose step (`torch.classes.hf_moe.DecodePlan`, csrc/cpu/decode_step_cpu.cpp) runs
 every layer's kernels in C++ with nothing compiled.
 
-`hf_moe.decode.FusedDecodeStep` compiles its step with inductor's C++ wrapper: the program still runs, per layer, a
-dozen small kernels, allocations and dispatcher calls between the attention sub-block and the experts (the router's
-cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo. That overhead
-runs on the main thread alone while the other threads wait (perf profile and share of the step: docs/serving-cpu.md,
-"The whole decode step as one op"). The plan's step calls one op instead, which runs the same kernels layer by layer
-in C++, and needs no compilation (the compiled step's first call is long, longest with inductor's cache cold).
+`hf_moe.decode.DecodeStep` compiles its attention-block step with inductor's C++ wrapper: the program still runs,
+per layer, a dozen small kernels, allocations and dispatcher calls between the attention sub-block and the experts
+(the router's cast, GEMM, softmax, top-k, weights and the residual add), and the call itself goes through Dynamo.
+That overhead runs on the main thread alone while the other threads wait (perf profile and share of the step:
+docs/serving-cpu.md, "The whole decode step as one op"). The plan's step calls one op instead, which runs the same
+kernels layer by layer in C++, and needs no compilation (the compiled step's first call is long, longest with
+inductor's cache cold).
 
-Which models it serves (`one_op_reason`, asked by `hf_moe.decode.choose_decode` after the fused step's own checks):
+Which models it serves (`one_op_reason`, asked by `hf_moe.decode.choose_decode` after the attention-block step's
+own checks):
 
   * every decoder layer's MLP either an MoE block or a dense MLP. An MoE block is an hf_moe `SparseMoeBlock` with the
     plain `topk` router (softmax, top-k, optionally renormalised; no dynamic skipping, capacity or unit weights) and
@@ -173,7 +175,7 @@ def _block_reason(i: int, block, experts: tuple | None, dtype: torch.dtype) -> s
 
 def one_op_reason(model) -> str | None:
     """Why the plan's one-op step cannot run `model`'s decode step (None: it can), beyond what
-    `hf_moe.decode.choose_decode` checks first (the fused step's layers, dtype and device)."""
+    `hf_moe.decode.choose_decode` checks first (the attention-block step's layers, dtype and device)."""
     if backend_setting() == "torch" or load_extension()[0] is None:
         return "the compiled extension is not loaded (`python -m hf_moe.env` says why)"
     backbone = model.model
@@ -285,7 +287,7 @@ def fingerprint(fields: list[tuple]) -> tuple:
 
 class DecodePlan:
     """The one-op decode step of `model` (`one_op_reason(model)` must be None): its fields read and validated once,
-    the workspace reused across steps. Call it as `FusedDecodeStep.forward`: (input_ids [B, 1], position_ids
+    the workspace reused across steps. Call it as `DecodeStep.forward`: (input_ids [B, 1], position_ids
     [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V]."""
 
     def __init__(self, model, fields: list[tuple] | None = None):

@@ -20,8 +20,8 @@ not) gets the same path with `model.generate(**inputs, **fast_decode_kwargs())`.
 What is compiled, and when (measured in benchmarks/serve_cpu.py and benchmarks/decode_profile.py; the tests are
 tests/test_decode.py):
 - only the one-token decode step (the prefill runs eagerly: its length changes with every prompt);
-- for an hf_moe model whose decoder layers are Llama's (Llama, Mistral, Qwen2, Qwen3 layers), hf_moe's fused decode
-  step (hf_moe.decode: the attention sub-block as one op); for any other model, transformers' forward;
+- for an hf_moe model whose decoder layers are Llama's (Llama, Mistral, Qwen2, Qwen3 layers), hf_moe's attention-block
+  step (hf_moe.decode: each layer's attention sub-block as one op); for any other model, transformers' forward;
 - `fullgraph=True, dynamic=False`: the whole step is one graph, specialised to the batch size and the length of
   the static cache, compiled with inductor's C++ wrapper (`DECODE_OPTIONS`: its kernels called from one C++
   function, no Python between them). The first call compiles (long on CPU: docs/serving-cpu.md says how long);
@@ -55,26 +55,37 @@ DECODE_OPTIONS = {"cpp_wrapper": True}
 
 @dataclass
 class DecodeCompileConfig(CompileConfig):
-    """transformers' `CompileConfig`, plus `fused`: an hf_moe model runs hf_moe's fused decode step (hf_moe.decode)
-    where its architecture allows, compiled with the same settings, and `skip_guards`: the fused step checks
-    Dynamo's guards on the first step of each `generate` call only. Dynamo's stance is process-wide, so a server
-    that runs compiled code from several threads at once sets `skip_guards=False`; and `one_op`: where the model
-    allows it, the fused step is one call of the model's plan and nothing is compiled (hf_moe.decode_one_op;
-    `one_op=False` runs the compiled step); and `huge_pages`: the fused step asks for the weights it streams on
-    transparent huge pages (hf_moe.huge_pages); and `compile`: False compiles nothing (the one-op step where it
-    serves the model, its forward elsewhere: what `generate`'s plain call gets). transformers' own models ignore all
-    five."""
+    """transformers' `CompileConfig`, plus `hf_moe_step`: an hf_moe model runs hf_moe's decode step (hf_moe.decode)
+    where its architecture allows, compiled with the same settings (`fused`: its former name, deprecated), and
+    `skip_guards`: the attention-block step checks Dynamo's guards on the first step of each `generate` call only.
+    Dynamo's stance is process-wide, so a server that runs compiled code from several threads at once sets
+    `skip_guards=False`; and `one_op`: where the model allows it, hf_moe's step is one call of the model's plan and
+    nothing is compiled (hf_moe.decode_one_op; `one_op=False` runs the compiled attention-block step); and
+    `huge_pages`: hf_moe's step asks for the weights it streams on transparent huge pages (hf_moe.huge_pages); and
+    `compile`: False compiles nothing (the one-op step where it serves the model, its forward elsewhere: what
+    `generate`'s plain call gets). transformers' own models ignore all five."""
 
-    fused: bool = True
+    hf_moe_step: bool = True
     skip_guards: bool = True
     one_op: bool = True
     huge_pages: bool = True
     compile: bool = True
 
+    @property
+    def fused(self) -> bool:
+        """Deprecated: `hf_moe_step` ("fused" names stacked expert weights only)."""
+        warnings.warn("DecodeCompileConfig.fused is deprecated: use hf_moe_step", DeprecationWarning, stacklevel=2)
+        return self.hf_moe_step
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        warnings.warn("DecodeCompileConfig.fused is deprecated: use hf_moe_step", DeprecationWarning, stacklevel=2)
+        self.hf_moe_step = value
+
     def to_dict(self) -> dict:
         """`torch.compile`'s keyword arguments (transformers passes them on as they are)."""
         config = super().to_dict()
-        config.pop("fused", None)
+        config.pop("hf_moe_step", None)
         config.pop("skip_guards", None)
         config.pop("one_op", None)
         config.pop("huge_pages", None)
@@ -86,21 +97,26 @@ class DecodeCompileConfig(CompileConfig):
         return config
 
 
-def decode_compile_config(fused: bool = True, options: dict | None = None, skip_guards: bool = True,
+def decode_compile_config(hf_moe_step: bool = True, options: dict | None = None, skip_guards: bool = True,
                           one_op: bool = True, huge_pages: bool = True, compile: bool = True,
-                          native: bool | None = None) -> DecodeCompileConfig:
+                          native: bool | None = None, fused: bool | None = None) -> DecodeCompileConfig:
     """The `CompileConfig` of the decode step: one graph (no graph break allowed), static shapes, inductor with
-    `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) the fused step unless
-    `fused=False`, with Dynamo's guards checked on each call's first step only unless `skip_guards=False`, and as one
-    op call where the model allows it unless `one_op=False` (`native`: its former name, deprecated), its weights on
-    huge pages unless `huge_pages=False` (`DecodeCompileConfig`), and nothing compiled at all with `compile=False`.
-    mode="default": "reduce-overhead" (transformers' default) means CUDA graphs, which do not exist on CPU."""
+    `options` (default `DECODE_OPTIONS`), compiled on CPU too, and (hf_moe models) hf_moe's decode step unless
+    `hf_moe_step=False` (`fused`: its former name, deprecated), with Dynamo's guards checked on each call's first step
+    only unless `skip_guards=False`, and as one op call where the model allows it unless `one_op=False` (`native`: its
+    former name, deprecated), its weights on huge pages unless `huge_pages=False` (`DecodeCompileConfig`), and nothing
+    compiled at all with `compile=False`. mode="default": "reduce-overhead" (transformers' default) means CUDA graphs,
+    which do not exist on CPU."""
     if native is not None:
         warnings.warn("decode_compile_config(native=...) is deprecated: pass one_op=...", DeprecationWarning,
                       stacklevel=2)
         one_op = native
+    if fused is not None:
+        warnings.warn("decode_compile_config(fused=...) is deprecated: pass hf_moe_step=... (\"fused\" names stacked "
+                      "expert weights only)", DeprecationWarning, stacklevel=2)
+        hf_moe_step = fused
     config = DecodeCompileConfig(fullgraph=True, dynamic=False, backend="inductor", mode="default",
-                                 options=dict(DECODE_OPTIONS if options is None else options), fused=fused,
+                                 options=dict(DECODE_OPTIONS if options is None else options), hf_moe_step=hf_moe_step,
                                  skip_guards=skip_guards, one_op=one_op, huge_pages=huge_pages, compile=compile)
     return compile_on_every_device(config)
 

@@ -452,8 +452,9 @@ class MoEForCausalLM(MoEPreTrainedModel, GenerationMixin):
     def get_compiled_call(self, compile_config):
         """The compiled forward `generate` runs for each decoded token (transformers' `get_compiled_call`): with
         hf_moe's decode config (`hf_moe.generation.decode_compile_config`, what a static cache gets by default),
-        the fused decode step (`hf_moe.decode`) where the architecture allows it, else transformers' own."""
-        if not (isinstance(compile_config, DecodeCompileConfig) and compile_config.fused):
+        hf_moe's decode step (`hf_moe.decode`: one-op or attention-block) where the architecture allows it, else
+        transformers' own."""
+        if not (isinstance(compile_config, DecodeCompileConfig) and compile_config.hf_moe_step):
             return super().get_compiled_call(compile_config)
         step = decode_step(self, compile_config, lambda: super(MoEForCausalLM, self).get_compiled_call(compile_config))
         return step if step is not None else super().get_compiled_call(compile_config)

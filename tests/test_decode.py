@@ -31,7 +31,7 @@ def converted(seed: int = 0):
     return hf_moe.convert_to_moe(tiny_dense(seed=seed), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
 
 
-# The compiled fused step (hf_moe.decode), where the one-op step (hf_moe.decode_one_op, tests/test_decode_one_op.py)
+# The attention-block step (hf_moe.decode), where the one-op step (hf_moe.decode_one_op, tests/test_decode_one_op.py)
 # would otherwise run and compile nothing: the tests of compilation itself use it.
 COMPILED = {"cache_implementation": "static", "compile_config": decode_compile_config(one_op=False)}
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: the plain call may run the one-op step
@@ -120,7 +120,7 @@ def test_static_cache_compiles_the_decode_step_once_for_generate_and_pipeline():
         eager = [greedy(moe, ids, n, **EAGER) for ids, n in calls]
     with RecompileLog() as log:
         fast = [greedy(moe, *calls[0], **COMPILED)]  # compiles, then reuses for every step
-        assert moe._hf_moe_decode_steps[0][1] is not None  # the auto-compile ran on CPU, with hf_moe's fused step
+        assert moe._hf_moe_decode_steps[0][1] is not None  # the auto-compile ran on CPU: the attention-block step
         with torch.compiler.set_stance("fail_on_recompile"):  # from here on, any compilation raises
             fast += [greedy(moe, ids, n, **COMPILED) for ids, n in calls[1:]]
             generate = pipeline("text-generation", model=moe, tokenizer=tokenizer)
@@ -272,19 +272,19 @@ def test_cli_generate_with_a_static_cache_streams_the_default_paths_tokens(tmp_p
     assert texts[0] and texts[0] == texts[1]
 
 
-# ------------------------------------------------------------------------------------------ the fused decode step
+# --------------------------------------------------------------------------------------- the attention-block step
 def converted_family(model_type: str, seed: int = 0, layers=None):
     torch.manual_seed(seed)
     dense = tiny_dense(model_type, seed=seed)
     return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.1, verify=False, layers=layers).eval()
 
 
-def test_the_fused_step_says_which_models_it_runs_and_why_not_the_others():
+def test_the_attention_block_step_says_which_models_it_runs_and_why_not_the_others():
     from hf_moe.decode import choose_decode
 
     config = decode_compile_config(one_op=False)
     for family in ("llama", "qwen2", "qwen3"):
-        assert choose_decode(converted_family(family), 1, config).engine == "fused", family
+        assert choose_decode(converted_family(family), 1, config).engine == "attention_block", family
     choice = choose_decode(converted_family("mistral"), 1, config)  # tiny mistral: sliding_window=6
     assert choice.engine == "compiled" and "sliding window" in choice.reason
     assert "GemmaModel" in choose_decode(converted_family("gemma"), 1, config).reason
@@ -293,8 +293,8 @@ def test_the_fused_step_says_which_models_it_runs_and_why_not_the_others():
 
 
 @pytest.mark.slow
-def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompiles():
-    """The fused decode step (hf_moe.decode) runs for every decoded token of a left-padded batch of Qwen3 (q/k
+def test_attention_block_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompiles():
+    """The attention-block step (hf_moe.decode) runs for every decoded token of a left-padded batch of Qwen3 (q/k
     norms; Llama: the tests above; the kernel's tests cover Qwen2's biases), a dense layer among the MoE ones, and
     gives the eager path's greedy tokens and scores; a second call reuses its graph."""
     torch.compiler.reset()
@@ -309,7 +309,7 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
     with RecompileLog() as log:
         fast = moe.generate(ids, cache_implementation="static", **kwargs)
         steps = [step for _, step in moe._hf_moe_decode_steps]
-        assert len(steps) == 1 and steps[0] is not None  # the fused step, not transformers' compiled forward
+        assert len(steps) == 1 and steps[0] is not None  # hf_moe's step, not transformers' compiled forward
         with torch.compiler.set_stance("fail_on_recompile"):
             again = moe.generate(random_ids(2, 9, seed=6), cache_implementation="static", **kwargs)
     assert not log.recompiled, "\n".join(log.lines)
@@ -320,8 +320,8 @@ def test_fused_step_of_a_padded_batch_gives_the_eager_tokens_and_never_recompile
 
 @pytest.mark.slow
 @pytest.mark.parametrize("one_op", [False, True], ids=["compiled", "one_op"])
-def test_int8_linears_decode_fused_with_the_eager_int8_tokens(one_op, monkeypatch):
-    """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; the fused step
+def test_int8_linears_decode_in_hf_moe_step_with_the_eager_int8_tokens(one_op, monkeypatch):
+    """quantize_experts(..., linears=True): the attention projections and the LM head are int8 too; hf_moe's step
     runs them (hf_moe::decode_attention_block and linear_infer on int8) with the eager int8 model's greedy tokens,
     compiled and as one op (hf_moe.decode_one_op)."""
     torch.compiler.reset()
@@ -342,9 +342,9 @@ def test_int8_linears_decode_fused_with_the_eager_int8_tokens(one_op, monkeypatc
 
 @pytest.mark.slow
 def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch):
-    """The fused step skips Dynamo's guards after the first step of a `generate` call (hf_moe.decode); each call's
-    first step evaluates them all, so a model quantized between two calls that share one static cache (the
-    caller's, reset) decodes as the quantized model."""
+    """The attention-block step skips Dynamo's guards after the first step of a `generate` call (hf_moe.decode);
+    each call's first step evaluates them all, so a model quantized between two calls that share one static cache
+    (the caller's, reset) decodes as the quantized model."""
     from transformers import StaticCache
 
     import hf_moe.decode
@@ -378,7 +378,8 @@ def test_later_steps_skip_the_guards_and_each_call_checks_them_again(monkeypatch
 
 
 def test_unsupported_models_decode_with_transformers_compiled_step():
-    """A model the fused step does not cover (gemma's layer) compiles transformers' own decode step, as before."""
+    """A model the attention-block step does not cover (gemma's layer) compiles transformers' own decode step, as
+    before."""
     from hf_moe.generation import decode_compile_config
 
     moe = converted_family("gemma")

@@ -148,10 +148,10 @@ def test_an_explicit_choice_is_obeyed(plans):
 
 
 def test_where_only_a_compiled_step_would_serve_the_plain_call_stays_eager_and_says_why(plans, caplog):
-    moe = model_with("int8", router_type="noisy_topk")  # not a plain top-k router: the compiled fused step only
+    moe = model_with("int8", router_type="noisy_topk")  # not a plain top-k router: the attention-block step only
     choice = choose_decode(moe, 1)
     assert choice.engine == "eager" and "router" in choice.reason
-    assert choose_decode(moe, 1, decode_compile_config()).engine == "fused"
+    assert choose_decode(moe, 1, decode_compile_config()).engine == "attention_block"
     ids = random_ids(1, 8, seed=3)
     with caplog.at_level(logging.INFO, logger="hf_moe"):
         out = greedy(moe, ids, 4)  # plans refuses torch.compile: nothing compiles
@@ -266,3 +266,34 @@ def test_a_step_reuses_the_plans_workspace():
     logits = 2 * moe.config.vocab_size * 4
     # the logits, and the 0-dim scalars ATen wraps the final norm's numbers in (as the eager norm does)
     assert logits in allocated and sum(allocated) - logits <= 16, allocated
+
+
+def test_the_former_fused_names_still_work_and_warn():
+    """The attention-block step was called "fused", the word kept for stacked expert weights: its old public names
+    (the engine's name a choice compares equal to, the config's field and argument, the step's class, the engine's
+    constant) stay for a release, each warning; the new names warn nowhere."""
+    import warnings
+
+    import hf_moe.decode as decode
+
+    with pytest.warns(DeprecationWarning, match="hf_moe_step"):
+        config = decode_compile_config(fused=False)
+    assert config.hf_moe_step is False and not {"fused", "hf_moe_step"} & set(config.to_dict())
+    with pytest.warns(DeprecationWarning, match="hf_moe_step"):
+        assert config.fused is False
+    with pytest.warns(DeprecationWarning, match="DecodeStep"):
+        assert decode.FusedDecodeStep is decode.DecodeStep
+    with pytest.warns(DeprecationWarning, match="ATTENTION_BLOCK"):
+        assert decode.FUSED == decode.ATTENTION_BLOCK == "attention_block"
+    choice = decode.DecodeChoice(decode.ATTENTION_BLOCK, "a static cache asked for")
+    with pytest.warns(DeprecationWarning, match="'attention_block'"):
+        assert choice.engine == "fused"
+    with pytest.warns(DeprecationWarning, match="'attention_block'"):
+        assert "fused" == choice.engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choice.engine == "attention_block" and choice.engine != "eager"
+        assert decode.DecodeChoice(decode.EAGER, "why").engine != "fused"
+        assert decode_compile_config().hf_moe_step is True
+        assert hash(choice.engine) == hash("attention_block")
+        assert str(choice) == "attention_block (a static cache asked for)"

@@ -1,7 +1,7 @@
 """The whole decode step as one op (hf_moe/decode_one_op.py, `torch.classes.hf_moe.DecodePlan` in
 csrc/cpu/decode_step_cpu.cpp):
 
-- it runs where every layer is one its kernels compute, says why not elsewhere, and then the compiled fused step runs
+- it runs where every layer is one its kernels compute, says why not elsewhere, and then the attention-block step runs
   (tests/test_decode.py) as before;
 - it gives the eager model's greedy tokens and scores, fp32 and bf16, Llama, Qwen2 (projection biases) and Qwen3
   (q/k norms), a left-padded batch, and a model changed between two calls; it compiles nothing;
@@ -49,7 +49,7 @@ def greedy(model, ids, new_tokens, mask=None, **kwargs):
 
 
 def one_op_step(model):
-    """The fused step `generate` will use, with its compiled program replaced by one that fails: only the one-op
+    """The decode step `generate` will use, with its compiled program replaced by one that fails: only the one-op
     step may run."""
     step = model.get_compiled_call(decode_compile_config())
 
@@ -75,7 +75,7 @@ def test_the_one_op_step_runs_where_every_layer_allows_it_and_says_why_not_elsew
     dynamic.model.rotary_emb.rope_type = "dynamic"  # its cos/sin change with the sequence's length
     assert "rotary" in one_op_reason(dynamic)
     assert choose_decode(dynamic).engine == "eager"  # the plain call compiles nothing
-    assert choose_decode(dynamic, config=decode_compile_config()).engine == "fused"
+    assert choose_decode(dynamic, config=decode_compile_config()).engine == "attention_block"
 
 
 @pytest.mark.parametrize("family, dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
@@ -125,10 +125,10 @@ def test_recorded_routing_and_large_bf16_batches_take_the_compiled_step():
     config = decode_compile_config()
     engine = lambda batch: choose_decode(moe, batch, config).engine  # noqa: E731
     assert engine(1) == engine(MAX_TOKENS[torch.bfloat16]) == "one_op"
-    assert engine(MAX_TOKENS[torch.bfloat16] + 1) == "fused"
+    assert engine(MAX_TOKENS[torch.bfloat16] + 1) == "attention_block"
     assert choose_decode(moe, MAX_TOKENS[torch.bfloat16] + 1).engine == "eager"  # the plain call compiles nothing
     with moe.model.layers[0].mlp.router_recorder.recording():
-        assert engine(1) == "fused"
+        assert engine(1) == "attention_block"
     assert engine(1) == "one_op"
 
 
@@ -173,7 +173,7 @@ def _huge_pages_offered() -> bool:
 
 @pytest.mark.parametrize("huge_pages", [True, False])
 def test_each_generate_call_asks_for_the_weights_on_huge_pages_unless_told_not_to(huge_pages):
-    """The fused step's first call of a generate call (compiled or one op) asks for the model's weights on huge
+    """The decode step's first call of a generate call (compiled or one op) asks for the model's weights on huge
     pages: a 4 MiB embedding here, in fp32."""
     from hf_moe.huge_pages import HUGE_PAGE
 

@@ -51,3 +51,23 @@ def test_llamacpp_is_skipped_with_a_reason_without_node(tmp_path, monkeypatch):
     monkeypatch.undo()
     if llamacpp.node_missing() is None:
         assert "not installed in" in llamacpp.installed(str(tmp_path))  # Node, but no node-llama-cpp there
+
+
+def test_the_former_fused_mode_names_still_work_and_warn():
+    """The decode modes were "fused..." ("fused" is the word for stacked expert weights): --modes takes the old names
+    for a release, each warning and run as the mode it is now; the names of now do not warn."""
+    import warnings
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import decode_modes
+    finally:
+        sys.path.remove(str(BENCH))
+    with pytest.warns(DeprecationWarning) as caught:
+        names = decode_modes.mode_names("eager,fused,fused_compiled,fused_python,fused_checked")
+    assert len(caught) == 4 and "'fused_compiled' is now 'attention_block'" in str(caught[1].message)
+    assert names == ["eager", "hf_moe_step", "attention_block", "attention_block_python", "attention_block_checked"]
+    assert set(names[1:]) == decode_modes.HF_MOE_MODES and set(names[1:]) <= set(decode_modes.MODES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_modes.mode_names("compiled,hf_moe_step") == ["compiled", "hf_moe_step"]

@@ -3,10 +3,10 @@ one file per expert) reloaded with `MoEForCausalLM.from_pretrained`, held agains
 and its greedy decode with a static cache (`generate(..., cache_implementation="static")`) timed against the dense
 Llama of the same layers (random bf16 weights: only its speed is read).
 
-Decode tokens/s: (new - 1) tokens / (time of a call making `new` tokens - time of a call making 1), each the median of
-the timed calls after one untimed call (which compiles the decode step: hf_moe's fused step for the MoE, transformers'
-own for the dense model); the first call's time is reported too. With --smoke, tiny and on CPU, nothing is compiled
-(`disable_compile=True`): the figures mean nothing.
+Decode tokens/s: (new - 1) tokens / (time of a call making `new` tokens - time of a call making 1), each the median
+of the timed calls after one untimed call (which compiles the decode step: transformers' own for both models on a
+GPU, where hf_moe's attention-block step, a CPU step, does not run); the first call's time is reported too. With
+--smoke, tiny and on CPU, nothing is compiled (`disable_compile=True`): the figures mean nothing.
 """
 
 from __future__ import annotations
