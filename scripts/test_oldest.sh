@@ -68,6 +68,10 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 # compiler, and gpu_check --smoke runs the interpreter on these versions; the main suite runs every kernel test under
 # the interpreter (triton 3.9). Only the files that mark a test so are collected: the others import packages this
 # venv does not have (peft, trl, onnx, ...).
+# Of the `oldest` tests marked slow, this lane keeps those that launch processes, compile or run distributed (the
+# versions' internals they reach change most between releases) and leaves the slow repetitions of one check over
+# variants (every family's upcycling, every router's training run) to the main suite: their fast representatives
+# run here, and the lane stays a few minutes (benchmarks/results/test_durations.txt).
 mapfile -t FILES < <(grep -l -E "pytest\.mark\.(oldest|gpu_versions)" tests/test_*.py)
 HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile \
-    -m "oldest or gpu_versions" "${FILES[@]}" "$@"
+    -m "(oldest and (not slow or distributed or compile or subprocess)) or gpu_versions" "${FILES[@]}" "$@"
