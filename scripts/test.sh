@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 WORKERS="${HF_MOE_TEST_WORKERS:-2}"
 if [ "${1:-}" = "--fast" ]; then
     shift
-    exec python -m pytest -n "$WORKERS" --dist loadfile -q \
+    exec python -m pytest -n "$WORKERS" --dist worksteal -q \
         -m "not (slow or subprocess or distributed or compile or gpu_versions)" "$@"
 fi
 durations=""
@@ -35,11 +35,13 @@ assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transf
 python -m pip install "setuptools>=70.1" wheel
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
-# The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change), a test file per worker: most tests use
-# one core, so two workers cut the wall time on a 2-core machine (measured: docs/compatibility.md).
+# The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change): most tests use one core, so two workers
+# cut the wall time on a 2-core machine (measured: docs/compatibility.md). Tests, not files, are shared out, and an
+# idle worker takes the rest of the other's queue (worksteal): with a file per worker, the README's blocks (a hundred
+# fresh processes) kept one worker busy long after the other had finished.
 # The tests marked gpu_versions concern the lent GPU alone and run once, in scripts/test_oldest.sh on the GPU's own
 # versions (torch 2.11, triton 3.6), not here as well.
-SUITE=(python -m pytest -n "$WORKERS" --dist loadfile -m "not gpu_versions")
+SUITE=(python -m pytest -n "$WORKERS" --dist worksteal -m "not gpu_versions")
 if [ -n "$durations" ]; then
     log="$(mktemp)"
     status=0

@@ -73,5 +73,5 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 # variants (every family's upcycling, every router's training run) to the main suite: their fast representatives
 # run here, and the lane stays a few minutes (benchmarks/results/test_durations.txt).
 mapfile -t FILES < <(grep -l -E "pytest\.mark\.(oldest|gpu_versions)" tests/test_*.py)
-HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist loadfile \
+HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist worksteal \
     -m "(oldest and (not slow or distributed or compile or subprocess)) or gpu_versions" "${FILES[@]}" "$@"
