@@ -291,13 +291,9 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
         batch = _plain_batch(model, args, kwargs)
         if batch is None:
             return kwargs
-        choice = choose_decode(model, batch)
-        say(model, choice)
-        if choice.engine != ONE_OP:
+        planned = _one_op_planned(model, args, kwargs, batch)
+        if planned is None:
             return kwargs
-        planned = _with_cache_length(model, args, dict(kwargs))
-        if not _fits(model, args, planned, _setting(model, planned, "max_cache_len")):
-            return kwargs  # (the one-op step's static cache would not fit: transformers' dynamic one grows as it goes)
         kwargs = dict(planned, cache_implementation=STATIC, compile_config=decode_compile_config(compile=False))
     else:
         kwargs = dict(kwargs)
@@ -306,6 +302,19 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
     kwargs = _with_cache_length(model, args, kwargs)
     check_static_cache(model, args, kwargs)
     return kwargs
+
+
+def _one_op_planned(model, args: tuple, kwargs: dict, batch) -> dict | None:
+    """A copy of `kwargs` with the cache length of the one-op step's static cache, where `choose_decode` picks the
+    one-op step for `batch` and that cache fits; else None. The choice is logged once per model either way."""
+    choice = choose_decode(model, batch)
+    say(model, choice)
+    if choice.engine != ONE_OP:
+        return None
+    planned = _with_cache_length(model, args, dict(kwargs))
+    if not _fits(model, args, planned, _setting(model, planned, "max_cache_len")):
+        return None  # the static cache would not fit, where transformers' dynamic one grows as it goes
+    return planned
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,12 +344,8 @@ def one_op_kwargs(model, args: tuple, kwargs: dict) -> dict:
     if (batch is None or not _compiles(model) or _setting(model, kwargs, "prefill_chunk_size") is not None
             or kwargs.get("synced_gpus")):
         return kwargs
-    choice = choose_decode(model, batch)
-    say(model, choice)
-    if choice.engine != ONE_OP:
-        return kwargs
-    planned = _with_cache_length(model, args, dict(kwargs))
-    if not _fits(model, args, planned, _setting(model, planned, "max_cache_len")):
+    planned = _one_op_planned(model, args, kwargs, batch)
+    if planned is None:
         return kwargs
     planned.update(cache_implementation=STATIC, custom_generate=one_op_sample)
     if planned.get("streamer") is not None:  # transformers keeps `streamer` from a custom loop: it goes by this name
