@@ -20,12 +20,16 @@ Each executed block runs in a fresh working directory holding the fixtures the R
     examples/  benchmarks/   copies of the repository's folders, so `python examples/x.py` works as written
 
 Python blocks run as a script with this interpreter, bash blocks with `bash -euo pipefail -c`, with `python` and
-`hf-moe` of this environment first on PATH, the repository on PYTHONPATH, and the hub offline. HF_MOE_README=FILE
-runs another markdown file instead of README.md and docs/ (to test this harness).
+`hf-moe` of this environment first on PATH, the repository on PYTHONPATH, and the hub offline. A python block runs
+in a process forked from a server that has already imported hf_moe (tests/readme_zygote.py: the same script, cwd,
+environment and exit status, without the seconds of imports), unless `forkable` says it needs a fresh interpreter
+or the server cannot fork safely; HF_MOE_README_FRESH=1 runs every block fresh. HF_MOE_README=FILE runs another
+markdown file instead of README.md and docs/ (to test this harness).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -33,12 +37,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import tiny_dense, tiny_tokenizer
+from readme_zygote import Zygote, ZygoteRefused
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -237,6 +243,30 @@ def _env() -> dict[str, str]:
     return env
 
 
+# What a block does before its own imports cannot reach modules the server imported before it: a block that sets the
+# environment (read at import: threads, offline switches, logging) runs fresh, and so does one that starts processes
+# that rendezvous with or re-import their parent (multiprocessing, torch.distributed).
+_NEEDS_FRESH = re.compile(r"\bos\.(environ|putenv|unsetenv)\b|\bmultiprocessing\b|\btorch\.distributed\b|\bos\.fork\b")
+
+
+def forkable(block: Block) -> bool:
+    """Whether `block` may run in a process forked from the server (else in a fresh interpreter)."""
+    return block.lang == "python" and not _NEEDS_FRESH.search(block.code) and not os.environ.get("HF_MOE_README_FRESH")
+
+
+def zygote_imports(blocks: list[Block]) -> list[str]:
+    """What the server imports before it forks: the top-level import statements of the forkable `blocks`, each once.
+    These imports are most of a block's time; run earlier, they do the same thing once instead of once a block."""
+    statements = ["import hf_moe"]
+    for block in blocks:
+        try:
+            tree = ast.parse(block.code) if forkable(block) and block.skip is None else ast.Module(body=[])
+        except SyntaxError:  # the block fails as written, in its own test
+            continue
+        statements += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return list(dict.fromkeys(statements))
+
+
 def _run(cmd: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> tuple[int | None, str]:
     """(exit status, or None on timeout; stdout and stderr interleaved). The whole process group is killed on
     timeout, so the children of a bash block go too."""
@@ -280,6 +310,22 @@ def readme_fixtures(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def readme_zygote(tmp_path_factory):
+    """The fork server of this test process (one per xdist worker), started on first use."""
+    imports = zygote_imports([block for document in DOCUMENTS for block in _blocks(document)[0]])
+    server = Zygote(imports, _env(), str(tmp_path_factory.mktemp("readme-zygote") / "server.log"))
+    yield server
+    server.close()
+
+
+def _run_forked(zygote: Zygote, script: Path, cwd: Path) -> tuple[int | None, str]:
+    """As `_run([python, script], cwd)`, in a child of the server; ZygoteRefused when it cannot."""
+    output = script.with_suffix(".out")
+    status = zygote.run(str(script), str(cwd), _env(), str(output), TIMEOUT_S)
+    return status, _final_lines(output.read_bytes().decode(errors="replace"))
+
+
 @pytest.fixture
 def block_dir(readme_fixtures, tmp_path) -> Path:
     work = tmp_path / "work"
@@ -313,7 +359,7 @@ def test_readme_is_a_short_front_door_to_every_page():
 
 @pytest.mark.subprocess
 @pytest.mark.parametrize("document, block", _params())
-def test_readme_block(document: Path, block: Block, block_dir: Path):
+def test_readme_block(document: Path, block: Block, block_dir: Path, request):
     prompt = "$ " if block.lang == "bash" else ">>> "
     prompts = _prompt_lines(block.code, prompt)
     if prompts:
@@ -325,7 +371,14 @@ def test_readme_block(document: Path, block: Block, block_dir: Path):
         cmd = [sys.executable, str(script)]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-    status, output = _run(cmd, block_dir)
+    try:
+        if not forkable(block):
+            raise ZygoteRefused("the block needs a fresh interpreter")
+        status, output = _run_forked(request.getfixturevalue("readme_zygote"), script, block_dir)
+    except ZygoteRefused as why:
+        if forkable(block):  # a server that cannot fork costs every block its imports again: say so
+            warnings.warn(f"{_name(document)} line {block.line} ran in a fresh interpreter: {why}")
+        status, output = _run(cmd, block_dir)
     if status == 0:
         return
     what = f"timed out after {TIMEOUT_S} s" if status is None else f"failed with exit status {status}"
@@ -434,3 +487,80 @@ def test_parse_blocks_skip_reaches_the_block():
         document, block = param.values
         assert param.id == f"{_name(document)}:{block.id}"
         assert any(m.name == ("skip" if block.skip else "slow") for m in param.marks)
+
+
+# ------------------------------------------------------------------------------------------------- the fork server
+_SCRIPTS = {
+    "facts": "import os, sys\nprint(sys.argv, os.getcwd(), sys.path[0], __name__, os.environ.get('HF_HUB_OFFLINE'))\n"
+             "print('to stderr', file=sys.stderr)\n",
+    "exit_3": "import sys\nsys.exit(3)\n",
+    "exit_message": "import sys\nsys.exit('a message')\n",
+    "raises": "raise ValueError('the last line')\n",
+    "at_exit": "import atexit, threading, time\natexit.register(print, 'atexit ran')\n"
+               "threading.Thread(target=lambda: (time.sleep(0.2), print('thread joined'))).start()\n",
+}
+
+
+@pytest.fixture(scope="module")
+def light_zygote(tmp_path_factory):
+    server = Zygote(["import json"], _env(), str(tmp_path_factory.mktemp("light-zygote") / "server.log"))
+    yield server
+    server.close()
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("name", sorted(_SCRIPTS))
+def test_a_forked_block_runs_as_a_fresh_interpreter_runs_it(name, light_zygote, tmp_path):
+    """Same exit status, same output (stdout and stderr in one), same argv, cwd, sys.path[0], __name__, environment;
+    an exception's traceback ends the same way."""
+    script, cwd = tmp_path / f"{name}.py", tmp_path / "work"
+    script.write_text(_SCRIPTS[name])
+    cwd.mkdir()
+    fresh = _run([sys.executable, str(script)], cwd)
+    forked = _run_forked(light_zygote, script, cwd)
+    if name == "raises":
+        assert fresh[0] == forked[0] == 1 and fresh[1].splitlines()[-2:] == forked[1].splitlines()[-2:]
+    else:
+        assert forked == fresh and fresh[0] == {"exit_3": 3, "exit_message": 1}.get(name, 0)
+
+
+@pytest.mark.subprocess
+def test_a_forked_block_that_runs_too_long_is_killed_with_its_children(light_zygote, tmp_path):
+    script = tmp_path / "sleeps.py"
+    script.write_text("import subprocess, sys\nprint(subprocess.Popen(['sleep', '60']).pid, flush=True)\n"
+                      "subprocess.run(['sleep', '60'])\n")
+    status = light_zygote.run(str(script), str(tmp_path), _env(), str(tmp_path / "out"), timeout=2)
+    assert status is None
+    grandchild = int((tmp_path / "out").read_text().split()[0])
+    with pytest.raises(ProcessLookupError):  # gone with its session (a zombie of init at most, for a moment)
+        for _ in range(50):
+            os.kill(grandchild, 0)
+            subprocess.run(["sleep", "0.1"])
+    (tmp_path / "ok.py").write_text("print('the server serves on')\n")
+    assert light_zygote.run(str(tmp_path / "ok.py"), str(tmp_path), _env(), str(tmp_path / "out"), 60) == 0
+
+
+@pytest.mark.subprocess
+def test_the_server_refuses_to_fork_beside_a_thread(tmp_path):
+    """A thread the imports started would be missing in the child (and could hold a lock there): the block runs
+    fresh instead."""
+    start = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start()"
+    server = Zygote([start], _env(), str(tmp_path / "server.log"))
+    try:
+        (tmp_path / "ok.py").write_text("print('hi')\n")
+        with pytest.raises(ZygoteRefused, match="2 Python threads"):
+            server.run(str(tmp_path / "ok.py"), str(tmp_path), _env(), str(tmp_path / "out"), 60)
+    finally:
+        server.close()
+
+
+def test_which_blocks_fork_and_what_the_server_imports():
+    plain = Block(1, "python", "import torch\nfrom transformers import AutoConfig as C\nx = 1\nimport json\n")
+    sets_env = Block(1, "python", "import os\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n")
+    assert forkable(plain) and not forkable(sets_env) and not forkable(Block(1, "bash", "python x.py\n"))
+    assert not forkable(Block(1, "python", "import torch.distributed as dist\ndist.init_process_group('gloo')\n"))
+    skipped = Block(1, "python", "import vllm\n", skip="needs a GPU")
+    broken = Block(1, "python", "import (\n")
+    assert zygote_imports([plain, sets_env, skipped, broken, plain]) == [
+        "import hf_moe", "import torch", "from transformers import AutoConfig as C", "import json",
+    ]
