@@ -167,21 +167,16 @@ def install_moe_blocks(
             continue
         block = blocks[i] if blocks is not None else SparseMoeBlock(config, expert_range)
         block.router_recorder = backbone.router_recorder
-        _set_submodule(layers[i], config.moe_block_path, block)
-        for path in config.moe_bypassed_paths:
-            _set_submodule(layers[i], path, nn.Identity())
+        # (setattr, not torch's set_submodule: a bypassed activation may be a plain function, not a module)
+        for path, module in ((config.moe_block_path, block), *((p, nn.Identity()) for p in config.moe_bypassed_paths)):
+            parent, _, name = path.rpartition(".")
+            setattr(layers[i].get_submodule(parent), name, module)
 
 
 def _holds(block: SparseMoeBlock, expert_range: tuple[int, int] | None) -> bool:
     experts = block.experts
     start, end = expert_range if expert_range is not None else (0, experts.num_experts)
     return (experts.expert_offset, experts.num_local_experts) == (start, end - start)
-
-
-def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, name = path.rpartition(".")
-    parent = root.get_submodule(parent_path) if parent_path else root
-    setattr(parent, name, module)
 
 
 _BACKBONE_CLASSES: dict[type[nn.Module], type[MoEBackboneMixin]] = {}

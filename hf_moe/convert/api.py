@@ -137,7 +137,16 @@ def convert_to_moe(
     difference measured on a random probe is stored in `config.moe_conversion`.
     """
     opts = resolve_options(num_experts, top_k, method, layers, options)
-    model, source = _load_dense(model_or_path, _dtype(opts["dtype"]), inplace)
+    _check_dense(model_or_path)
+    dtype = _dtype(opts["dtype"])
+    if isinstance(model_or_path, PreTrainedModel):
+        model = model_or_path if inplace else copy.deepcopy(model_or_path)
+        if dtype is not None:
+            model.to(dtype)
+        source = model.config.name_or_path or type(model).__name__  # a name for it: its path or Hub id
+    else:
+        source = os.fspath(model_or_path)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype if dtype is not None else "auto")
     was_training = model.training
     layers_path, decoder_layers = find_decoder_layers(model)
     moe_layers = _select_layers(layers, opts["every"], len(decoder_layers))
@@ -165,10 +174,10 @@ def convert_to_moe(
     probe = _probe_input(model) if opts["verify"] else None
     dense_logits = _logits(model, probe) if probe is not None else None
 
-    config = moe_config(
-        model.config, num_experts, top_k, method, opts, moe_layers, mlps[moe_layers[0]], layers_path, spec,
+    config = MoEConfig.from_base(model.config, **moe_fields(
+        num_experts, top_k, method, opts, moe_layers, first, layers_path, spec,
         source=source, license=_license(model_or_path),
-    )
+    ))
     generator = torch.Generator().manual_seed(opts["seed"])
     blocks = {}
     for i in tqdm(moe_layers, desc=progress_text(method, len(moe_layers), num_experts), leave=False):
@@ -217,8 +226,7 @@ def resolve_options(num_experts, top_k, method: str, layers, options: dict) -> d
     return opts
 
 
-def moe_config(
-    base_config: PreTrainedConfig,
+def moe_fields(
     num_experts: int,
     top_k: int,
     method: str,
@@ -230,11 +238,10 @@ def moe_config(
     *,
     source: str,
     license: str | None,
-) -> MoEConfig:
-    """The MoE model's config: the base config plus the MoE fields, the expert shape read from `first` (the
-    first converted MLP) and a record of the conversion."""
-    return MoEConfig.from_base(
-        base_config,
+) -> dict[str, Any]:
+    """The MoE fields of a conversion's config (`MoEConfig.from_base(base_config, **fields)`): the options, the expert
+    shape read from `first` (the first converted MLP) and a record of the conversion."""
+    return dict(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         **{k: opts[k] for k in CONFIG_OPTIONS},
@@ -417,9 +424,9 @@ def _check_model_type(config: PreTrainedConfig, what: str) -> None:
         raise ValueError(f"{what} (`{name}`) has no causal-LM class in transformers; hf_moe converts causal LMs.")
 
 
-def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, str]:
-    """The dense causal LM to convert (a copy of a loaded one unless `inplace`), and a name for it (its path or Hub
-    id)."""
+def _check_dense(model_or_path) -> None:
+    """`model_or_path` is a dense causal LM (or a classifier of its family), or a path or Hub id whose config is one:
+    checked before anything is copied or loaded."""
     if isinstance(model_or_path, PreTrainedModel):
         model = model_or_path
         _check_model_type(model.config, type(model).__name__)
@@ -430,11 +437,7 @@ def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, s
                 f"Pass the causal LM or a classifier of the family ({names}), not {type(model).__name__}: hf_moe "
                 "returns the same head over an MoE backbone."
             )
-        if not inplace:
-            model = copy.deepcopy(model)
-        if dtype is not None:
-            model.to(dtype)
-        return model, model.config.name_or_path or type(model).__name__
+        return
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise TypeError(f"Expected a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
     path = os.fspath(model_or_path)
@@ -447,8 +450,6 @@ def _load_dense(model_or_path, dtype, inplace: bool) -> tuple[PreTrainedModel, s
     except OSError as err:
         raise FileNotFoundError(f"Could not load a model config from {path!r}: {err}") from err
     _check_model_type(config, path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if dtype is not None else "auto")
-    return model, path
 
 
 def _check_uniform(mlps: dict[int, DenseMLP]) -> None:

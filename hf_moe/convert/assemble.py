@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..dense_mlp import DenseMLP
-from ..layers import SparseMoeBlock, build_router
+from ..layers import SparseMoeBlock
 
 
 def neurons(mlp: DenseMLP, index: torch.Tensor) -> DenseMLP:
@@ -99,8 +99,8 @@ def assemble_block(
     if config.moe_output_bias:
         block.bias = nn.Parameter(_bias(down_bias, first.down.shape[0], first.down).clone())
 
-    with torch.device(device):
-        block.gate = build_router(config).to(dtype)  # its extra parameters and buffers, on the real device
+    with torch.device(device):  # the block's router again, its extra parameters and buffers on the real device
+        block.gate = type(block.gate)(config).to(dtype)
     with torch.no_grad():
         block.gate.weight.copy_(router_weight)
     return block

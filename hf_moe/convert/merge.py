@@ -31,9 +31,10 @@ from ..checkpoint import checkpoint_state_dict, resolve_output_directory, same_d
 from ..checkpoint.layout import plan_shards
 from ..checkpoint.save import finish
 from ..compat import convert_file_size_to_int
+from ..configuration import MoEConfig
 from ..dense_mlp import DenseMLP, NonFiniteWeightsError, all_finite, find_decoder_layers, find_mlp
 from ..modeling import MoEForCausalLM
-from .api import OPTIONS, ROUTER_DEFAULTS, _dtype, _license, _select_layers, moe_config
+from .api import OPTIONS, ROUTER_DEFAULTS, _dtype, _license, _select_layers, moe_fields
 from .merge_checks import Source, localize, open_sources
 from .merge_config import MergeConfig, MergeConfigError, load_merge_config
 from .merge_calibration import calibrate
@@ -156,10 +157,10 @@ class _Plan:
         router_type = r.router.get("router_type", "topk")
         opts = {**OPTIONS, **ROUTER_DEFAULTS.get(router_type, {}), **r.router, "seed": r.seed,
                 "num_shared_experts": 1 if r.shared is not None else 0}
-        config = moe_config(
-            self.base.config, len(r.experts), r.experts_per_token, "merge", opts, self.moe_layers, first,
-            self.layers_path, self.spec, source=r.base_model, license=_license(r.base_model),
-        )
+        config = MoEConfig.from_base(self.base.config, **moe_fields(
+            len(r.experts), r.experts_per_token, "merge", opts, self.moe_layers, first, self.layers_path, self.spec,
+            source=r.base_model, license=_license(r.base_model),
+        ))
         config.shared_expert_gate = r.shared_expert_gate
         config.moe_conversion["options"] = {
             "gate_mode": r.gate_mode, "architecture": r.architecture or "mixtral",

@@ -46,6 +46,7 @@ from ..checkpoint.guard import checkpoint_file, open_fd
 from ..checkpoint.headers import read_header
 from ..checkpoint.layout import plan_shards
 from ..checkpoint.save import finish
+from ..configuration import MoEConfig
 from ..dense_mlp import DenseMLP, NoMLPFoundError, extract_mlp, find_decoder_layers, find_mlp
 from ..modeling import MoEForCausalLM
 from ..ops.extension import load_extension
@@ -57,7 +58,7 @@ from .api import (
     _license,
     _select_layers,
     convert_block,
-    moe_config,
+    moe_fields,
     progress_text,
     resolve_options,
 )
@@ -166,10 +167,9 @@ def plan_conversion(src, out, num_experts: int, top_k: int, method: str, layers:
         sum(p.numel() for p in dense.parameters()) * working_dtype.itemsize, first,
         _expert_sizes(method, first, num_experts, opts["num_shared_experts"]), num_experts, len(moe_layers),
         opts["num_shared_experts"], working_dtype.itemsize, convert_file_size_to_int(max_shard_size)))
-    config = moe_config(
-        base_config, num_experts, top_k, method, opts, moe_layers, first, layers_path, spec,
-        source=str(src), license=_license(src),
-    )
+    config = MoEConfig.from_base(base_config, **moe_fields(
+        num_experts, top_k, method, opts, moe_layers, first, layers_path, spec, source=str(src), license=_license(src),
+    ))
     generator = torch.Generator().manual_seed(opts["seed"])
     first_block = convert_block(method, first, config, opts, None, generator, share_identical=True)
     with torch.device("meta"):  # from_dense converts in place: a second meta model, `dense` keeps its MLPs
