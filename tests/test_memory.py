@@ -21,8 +21,10 @@ from hf_moe.ops import use_backend
 from hf_moe.profiling import saved_activation_bytes
 
 
-@pytest.mark.parametrize("backend", ["compiled", "torch"])
-@pytest.mark.parametrize("num_experts,top_k,inter", [(8, 2, 1024), (64, 8, 256)])
+@pytest.mark.parametrize("num_experts,top_k,inter,backend", [
+    (8, 2, 1024, "compiled"), (8, 2, 1024, "torch"), (64, 8, 256, "compiled"),
+    pytest.param(64, 8, 256, "torch", marks=pytest.mark.slow),  # (the inner loop has both shapes and both backends)
+])
 def test_saved_activations_within_1_1x_of_dense(num_experts, top_k, inter, backend):
     hidden, tokens = 512, 512
     base = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=8)

@@ -15,6 +15,9 @@ pytestmark = pytest.mark.compile
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Each saving process exports the tiny models it is given (WHICH DIR ...), each loading process loads the programs in
+# the directories it is given: one process per backend each way, not one per program (a process start and `import
+# hf_moe` cost more than an export).
 _SAVE = textwrap.dedent(
     """
     import sys
@@ -23,14 +26,15 @@ _SAVE = textwrap.dedent(
     sys.path.insert(0, "tests")
     from conftest import logits_of_a_tiny_moe
 
-    model = logits_of_a_tiny_moe(sys.argv[1])
-    ids = torch.randint(3, 100, (2, 9))
-    program = torch.export.export(model, (ids,))
-    ops = sorted({str(n.target) for n in program.graph.nodes if "hf_moe" in str(n.target)})
-    print("ops:", ",".join(ops))
-    torch.export.save(program, sys.argv[2] + "/model.pt2")
-    with torch.no_grad():  # the program's own outputs (eager inference may take another kernel: ops/infer.py)
-        torch.save((ids, program.module()(ids)), sys.argv[2] + "/io.pt")
+    for which, out in zip(sys.argv[1::2], sys.argv[2::2]):
+        model = logits_of_a_tiny_moe(which)
+        ids = torch.randint(3, 100, (2, 9))
+        program = torch.export.export(model, (ids,))
+        ops = sorted({str(n.target) for n in program.graph.nodes if "hf_moe" in str(n.target)})
+        print(out, "ops:", ",".join(ops))
+        torch.export.save(program, out + "/model.pt2")
+        with torch.no_grad():  # the program's own outputs (eager inference may take another kernel: ops/infer.py)
+            torch.save((ids, program.module()(ids)), out + "/io.pt")
     """
 )
 
@@ -38,13 +42,14 @@ _LOAD = textwrap.dedent(
     """
     import sys
     import torch
-    import hf_moe  # the only thing the saved program needs from hf_moe
+    import hf_moe  # the only thing the saved programs need from hf_moe
 
-    program = torch.export.load(sys.argv[1] + "/model.pt2")
-    ids, want = torch.load(sys.argv[1] + "/io.pt")
-    with torch.no_grad():
-        got = program.module()(ids)
-    print("equal:", torch.equal(got, want), "max diff:", (got - want).abs().max().item())
+    for out in sys.argv[1:]:
+        program = torch.export.load(out + "/model.pt2")
+        ids, want = torch.load(out + "/io.pt")
+        with torch.no_grad():
+            got = program.module()(ids)
+        print(out, "equal:", torch.equal(got, want), "max diff:", (got - want).abs().max().item())
     """
 )
 
@@ -55,25 +60,57 @@ def _run(code: str, *args: str, backend: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-@pytest.mark.subprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("which,backend,op", [
+CASES = [
     ("converted", "auto", "hf_moe.moe_experts_forward.default"),  # the compiled CPU op
     pytest.param("converted", "torch", "hf_moe_torch.grouped_mm.default", marks=pytest.mark.oldest),
     ("native_mixtral", "auto", "hf_moe.moe_experts_forward.default"),
     ("quantized", "auto", "hf_moe.moe_experts_infer.default"),  # int8 experts: the inference op
-])
-def test_saved_program_loads_in_a_fresh_process(which, backend, op, tmp_path):
-    saved = _run(_SAVE, which, str(tmp_path), backend=backend)
-    assert saved.returncode == 0, saved.stderr[-4000:]
-    assert op in saved.stdout, saved.stdout
-    loaded = _run(_LOAD, str(tmp_path), backend=backend)
-    assert loaded.returncode == 0, loaded.stderr[-4000:]
-    assert "equal: True" in loaded.stdout, loaded.stdout
+]
+
+
+@pytest.fixture(scope="module")
+def saved_programs(request, tmp_path_factory) -> dict[tuple[str, str], dict[str, str]]:
+    """{(which, backend): {"saved": the saving process's line, "loaded": the loading process's line under that
+    backend, "pure": (backend auto) the line of a loading process under HF_MOE_BACKEND=torch}} for every case this
+    session runs, each program saved in one process per backend and loaded in a fresh process per backend."""
+    selected = {(item.callspec.params["which"], item.callspec.params["backend"]) for item in request.session.items
+                if item.originalname == "test_saved_program_loads_in_a_fresh_process"}
+    root = tmp_path_factory.mktemp("saved_programs")
+    dirs = {case: root / "-".join(case) for case in selected}
+    for path in dirs.values():
+        path.mkdir()
+    lines: dict[str, str] = {}
+
+    def run(code, args, backend):
+        done = _run(code, *args, backend=backend)
+        assert done.returncode == 0, done.stderr[-4000:]
+        for line in done.stdout.splitlines():
+            key = line.split(" ", 1)[0]
+            if key in args:
+                lines[f"{key} {code is _SAVE} {backend}"] = line
+
+    for backend in ("auto", "torch"):
+        mine = [str(dirs[case]) for case in sorted(selected) if case[1] == backend]
+        if mine:
+            run(_SAVE, [a for case in sorted(selected) if case[1] == backend for a in (case[0], str(dirs[case]))],
+                backend)
+            run(_LOAD, mine, backend)
+    if any(backend == "auto" for _, backend in selected):  # the compiled op's programs, where nothing is built
+        run(_LOAD, [str(dirs[case]) for case in sorted(selected) if case[1] == "auto"], "torch")
+    return {case: {"saved": lines.get(f"{path} True {case[1]}", ""),
+                   "loaded": lines.get(f"{path} False {case[1]}", ""),
+                   "pure": lines.get(f"{path} False torch", "")} for case, path in dirs.items()}
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("which,backend,op", CASES)
+def test_saved_program_loads_in_a_fresh_process(which, backend, op, saved_programs):
+    found = saved_programs[(which, backend)]
+    assert op in found["saved"], found
+    assert "equal: True" in found["loaded"], found
     if backend == "auto":  # the compiled op's program, in a process that builds nothing: its pure-torch kernel
-        pure = _run(_LOAD, str(tmp_path), backend="torch")
-        assert pure.returncode == 0, pure.stderr[-4000:]
-        assert float(pure.stdout.split("max diff:")[1]) < 1e-5, pure.stdout
+        assert float(found["pure"].split("max diff:")[1]) < 1e-5, found
 
 
 @pytest.mark.subprocess

@@ -50,10 +50,11 @@ def test_trainer_loss_falls(tmp_path):
 
 def test_trainer_resume_from_checkpoint_continues_exactly(tmp_path):
     data = _dataset()
-    args = _args(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4)
+    # 2 steps, a checkpoint, 2 more: resuming has to restore the weights, AdamW's moments and the data position.
+    args = _args(tmp_path / "run", max_steps=4, save_strategy="steps", save_steps=2)
     full = Trainer(model=convert_to_moe(tiny_dense(), num_experts=4, top_k=2), args=args, train_dataset=data)
     full.train()
-    checkpoint = tmp_path / "run" / "checkpoint-4"
+    checkpoint = tmp_path / "run" / "checkpoint-2"
     assert (checkpoint / "model-expert-00003.safetensors").is_file() and (checkpoint / "optimizer.pt").is_file()
     umask = os.umask(0o022)
     os.umask(umask)  # (safetensors 0.8 writes 0600: other users could not read a Trainer checkpoint)
@@ -63,10 +64,10 @@ def test_trainer_resume_from_checkpoint_continues_exactly(tmp_path):
     other = convert_to_moe(tiny_dense(seed=7), num_experts=4, top_k=2, seed=5)
     resumed = Trainer(model=other, args=args, train_dataset=data)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert _losses(resumed)[-4:] == pytest.approx(_losses(full)[-4:], rel=1e-5)
+    assert _losses(resumed)[-2:] == pytest.approx(_losses(full)[-2:], rel=1e-5)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
-    reloaded = MoEForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-8")
+    reloaded = MoEForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-4")
     ids = random_ids()
     with torch.no_grad():
         torch.testing.assert_close(reloaded.eval()(ids).logits, full.model.eval()(ids).logits)
@@ -138,7 +139,7 @@ class _GradCapture:
         self.callback = _Callback()
 
 
-@pytest.mark.parametrize("accumulation", [2, 4])
+@pytest.mark.parametrize("accumulation", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_aux_loss_weight_does_not_grow_with_gradient_accumulation(tmp_path, accumulation):
     """Identical micro-batches: with the losses weighted right, accumulating 2 or 4 of them gives the same
     gradient as 1. (Summing per-micro-batch aux losses would make the router gradient grow with the count.)"""
