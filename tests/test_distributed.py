@@ -47,11 +47,12 @@ def test_aux_and_z_losses_are_not_overweighted_under_ddp(tmp_path):
     * identical rows: 2 DDP ranks give exactly the gradient of 1 process on one micro-batch;
     * different rows: 2 DDP ranks with a micro-batch each give the gradient of 1 process accumulating both.
     """
-    torchrun("aux_loss_trainer.py", 2, str(tmp_path / "ddp_same.pt"), "1", "same")
-    torchrun("aux_loss_trainer.py", 1, str(tmp_path / "one_same.pt"), "1", "same")
+    # Two launches, each running both cases (a launch costs more than a Trainer step).
+    torchrun("aux_loss_trainer.py", 2, str(tmp_path / "ddp_same.pt"), "1", "same",
+             str(tmp_path / "ddp_mixed.pt"), "1", "mixed")
+    torchrun("aux_loss_trainer.py", 1, str(tmp_path / "one_same.pt"), "1", "same",
+             str(tmp_path / "acc_mixed.pt"), "2", "mixed")
     _assert_same_grads(tmp_path / "ddp_same.pt", tmp_path / "one_same.pt")
-    torchrun("aux_loss_trainer.py", 2, str(tmp_path / "ddp_mixed.pt"), "1", "mixed")
-    torchrun("aux_loss_trainer.py", 1, str(tmp_path / "acc_mixed.pt"), "2", "mixed")
     _assert_same_grads(tmp_path / "ddp_mixed.pt", tmp_path / "acc_mixed.pt")
 
 

@@ -1,4 +1,5 @@
-"""One Trainer step; rank 0 saves every parameter's gradient (before the optimizer step) to OUT.
+"""One Trainer step per OUT ACCUMULATION ROWS triple; rank 0 saves every parameter's gradient (before the optimizer
+step) to OUT. Several triples run one after the other in the same processes (a launch costs more than a step).
 
     torchrun --nproc_per_node 2 tests/dist/aux_loss_trainer.py OUT 1 mixed  # DDP, 2 ranks, no accumulation
     torchrun --nproc_per_node 1 tests/dist/aux_loss_trainer.py OUT 2 mixed  # 1 process, 2 accumulation steps
@@ -33,7 +34,7 @@ class SaveGrads(TrainerCallback):
 
 
 def main(out: str, accumulation: int, rows_kind: str) -> None:
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # (each run starts from the same seed, whatever ran before it in this process)
     moe = convert_to_moe(tiny_dense(), num_experts=4, top_k=2, router_aux_loss_coef=1.0, router_z_loss_coef=0.1)
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(3, VOCAB, (8, 12), generator=g)
@@ -49,6 +50,9 @@ def main(out: str, accumulation: int, rows_kind: str) -> None:
         ddp_backend="gloo", seed=0, data_seed=0, average_tokens_across_devices=True,
     )
     Trainer(model=moe, args=args, train_dataset=data, callbacks=[SaveGrads(out)]).train()
+
+
+def finish() -> None:
     # Trainer leaves the process group open; gloo threads still running at interpreter teardown can abort the
     # process ("terminate called without an active exception") after the work is done.
     if torch.distributed.is_initialized():
@@ -61,4 +65,7 @@ def main(out: str, accumulation: int, rows_kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    runs = sys.argv[1:]
+    for i in range(0, len(runs), 3):
+        main(runs[i], int(runs[i + 1]), runs[i + 2])
+    finish()
