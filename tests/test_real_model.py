@@ -20,17 +20,44 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("HF_MOE_TEST_CACHE", Path.home() / ".cache" / "hf_moe"))
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+def _examples():
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        from smollm2_moe import GGUF_NAME, answer, fetch_gguf
+        import smollm2_moe
     finally:
         sys.path.pop(0)
-    gguf_dir = fetch_gguf(str(CACHE))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
-    return model, tokenizer, answer
+    return smollm2_moe
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (what the quickstart exports from the GGUF file), exported
+    once into the cache beside the GGUF file (per transformers version) and shared by both tests and every worker:
+    parsing and dequantising the GGUF file is most of what loading it costs."""
+    import tempfile
+
+    import transformers
+
+    examples = _examples()
+    gguf_dir = examples.fetch_gguf(str(CACHE))
+    out = CACHE / f"smollm2-hf-{transformers.__version__}"
+    if not (out / "config.json").is_file():
+        staging = Path(tempfile.mkdtemp(prefix=".smollm2-hf-", dir=CACHE))
+        examples.export_gguf(gguf_dir, str(staging))
+        try:
+            staging.rename(out)  # complete or absent: a worker that loses the race uses the winner's export
+        except OSError:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return model, tokenizer, _examples().answer
 
 
 @pytest.mark.slow
@@ -52,19 +79,6 @@ def test_smollm2_upcycles_exactly_and_still_answers(smollm2):
     torch.testing.assert_close(out, ref, rtol=0, atol=5e-4)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     assert answer(moe, tokenizer) == dense_answer
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face directory (what the quickstart exports from the GGUF file)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from smollm2_moe import export_gguf, fetch_gguf
-    finally:
-        sys.path.pop(0)
-    out = tmp_path_factory.mktemp("smollm2") / "dense-model"
-    export_gguf(fetch_gguf(str(CACHE)), str(out))
-    return out
 
 
 @pytest.mark.subprocess
