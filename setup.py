@@ -29,7 +29,9 @@ if os.environ.get("HF_MOE_BUILD_EXT") == "1":
         CppExtension(
             "hf_moe._C",
             [f"csrc/{s}" for s in ext.CPU_SOURCES],
-            extra_compile_args=ext.CXX_FLAGS + [stamp],
+            # -g0: no debug info, as in the on-first-use build. setuptools passes Python's CFLAGS, whose -g makes
+            # each object tens of times bigger and its compile slower (docs/backends.md), for the same code.
+            extra_compile_args=ext.CXX_FLAGS + [stamp, "-g0"],
             extra_link_args=["-fopenmp"],
         )
     ]

@@ -23,18 +23,26 @@ if [ "${1:-}" = "--durations" ]; then
     durations=benchmarks/results/test_durations.txt
 fi
 python -c "import torch" 2>/dev/null || python -m pip install torch==2.13.0
-python -m pip install -e ".[dev]"
+# What builds against the installed torch (pip's isolated build environment would pull a CUDA torch) needs its build
+# tools in place: setuptools and wheel, and ninja, which compiles the C++ extension's files in parallel.
+python -m pip install "setuptools>=70.1" wheel ninja
+# hf_moe with its C++ extension built ahead of time (hf_moe._C, in hf_moe/; setup.py): the whole suite runs on it, so
+# csrc/ is compiled once (tests/test_extension.py checks this build, and the on-first-use build's machinery on a
+# stub). Built only when the one there is not current (its stamp: the sources, flags, Python and torch install), as
+# the on-first-use build is kept in its cache.
+ext=1
+python -c "from hf_moe.ops import extension; assert extension._prebuilt()" 2>/dev/null && ext=0
+HF_MOE_BUILD_EXT=$ext python -m pip install --no-build-isolation -e ".[dev]"
 # The newest transformers the bound in pyproject.toml admits (an existing venv would keep an older one), and a check
 # that it is the newest release hf_moe records as tested (hf_moe/compat.py TESTED; docs/compatibility.md).
 python -m pip install --upgrade "$(grep -o '"transformers[^"]*"' pyproject.toml | tr -d '"')"
 python -c "import transformers; from hf_moe.compat import TESTED; newest = TESTED['transformers'][1]; \
 assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transformers.__version__, newest)"
-# DeepSpeed (the ZeRO-3 test of tests/test_tools.py) is an sdist whose build imports torch: pip's isolated build
-# environment would pull a CUDA torch. Built against the installed torch instead (which needs setuptools and wheel
-# in place), with no ops compiled ahead. Its test skips without it.
-python -m pip install "setuptools>=70.1" wheel
+# DeepSpeed (the ZeRO-3 test of tests/test_tools.py) is such an sdist, installed with no ops compiled ahead. Its test
+# skips without it. (Reinstalling hf_moe editable leaves hf_moe._C in place.)
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
+python -c "from hf_moe.ops import extension; assert extension._prebuilt(), 'hf_moe._C is missing or stale'"
 # The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change): most tests use one core, so two workers
 # cut the wall time on a 2-core machine (measured: docs/compatibility.md). Tests, not files, are shared out, and an
 # idle worker takes the rest of the other's queue (worksteal): with a file per worker, the README's blocks (a hundred

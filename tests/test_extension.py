@@ -56,22 +56,39 @@ def test_backend_torch_skips_the_extension(tmp_path):
     assert "disabled by HF_MOE_BACKEND=torch" in env.stdout
 
 
+@pytest.fixture
+def stub_csrc(tmp_path) -> Path:
+    """Sources that make a module with no kernels, compiled in a second or two: what the build's machinery (the cache,
+    its locks, ninja) is tested on, instead of a second full build of csrc/ (minutes). A process reads them as its
+    sources through `_with_sources`; a prebuilt hf_moe._C, stamped with csrc/'s hash, is stale for them and refused."""
+    stub = tmp_path / "stub_csrc"
+    stub.mkdir()
+    (stub / "ops.cpp").write_text(
+        f"// {tmp_path}: a hash of this test's own (torch renames a second build of one name in a process)\n"
+        "#include <Python.h>\n"
+        "#define HF_MOE_STR2(x) #x\n#define HF_MOE_STR(x) HF_MOE_STR2(x)\n"
+        "#define HF_MOE_INIT2(x) PyInit_##x\n#define HF_MOE_INIT(x) HF_MOE_INIT2(x)\n"
+        "static PyModuleDef stub = {PyModuleDef_HEAD_INIT, HF_MOE_STR(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};\n"
+        "PyMODINIT_FUNC HF_MOE_INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&stub); }\n"
+    )
+    return stub
+
+
+def _with_sources(csrc: Path, code: str) -> str:
+    """`code` in a process whose extension is built from `csrc` (as the `csrc_copy` fixture does in this one)."""
+    return f"from pathlib import Path\nfrom hf_moe.ops import extension\nextension.CSRC = Path({str(csrc)!r})\n{code}"
+
+
 @pytest.mark.subprocess
-def test_failed_build_falls_back_with_one_warning(tmp_path):
-    if importlib_spec_exists("hf_moe._C"):
-        pytest.skip("a prebuilt hf_moe._C is installed; the fallback is exercised without one")
-    result = _run({"HF_MOE_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"})
+def test_failed_build_falls_back_with_one_warning(tmp_path, stub_csrc):
+    result = _run({"HF_MOE_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"},
+                  _with_sources(stub_csrc, _RUN))
     assert result.returncode == 0, result.stderr
     assert "backend: torch" in result.stdout
     assert result.stderr.count("could not be built") == 1, result.stderr
-    forced = _run({"HF_MOE_CACHE": str(tmp_path / "2"), "CXX": "/bin/false", "HF_MOE_BACKEND": "compiled"})
+    forced = _run({"HF_MOE_CACHE": str(tmp_path / "2"), "CXX": "/bin/false", "HF_MOE_BACKEND": "compiled"},
+                  _with_sources(stub_csrc, _RUN))
     assert forced.returncode != 0 and "HF_MOE_BACKEND=compiled" in forced.stderr
-
-
-def importlib_spec_exists(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
 
 
 @pytest.mark.subprocess
@@ -144,48 +161,65 @@ def test_the_compile_estimate_counts_every_source(csrc_copy):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_ahead_of_time_build_with_setup_py(tmp_path):
-    """HF_MOE_BUILD_EXT=1 builds hf_moe._C, stamped with the hash of its sources, and its ops run."""
-    env = {**os.environ, "HF_MOE_BUILD_EXT": "1"}
-    build = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
-         "--build-temp", str(tmp_path / "tmp")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    (so,) = (tmp_path / "lib" / "hf_moe").glob("_C*.so")
-    assert f"hf_moe_source_hash={source_hash()}".encode() in so.read_bytes()
-    check = _run({}, f"""
-import torch
-import hf_moe.ops  # the ops' schemas (library.py); the library adds their CPU kernels
-torch.ops.load_library({str(so)!r})
+def test_ahead_of_time_build_with_setup_py(tmp_path, stub_csrc):
+    """HF_MOE_BUILD_EXT=1 builds hf_moe._C, stamped with the hash of its sources and without debug information; the
+    loader takes it, its ops run, and it is refused (not even imported) for other sources. The build checked is the
+    installed one where it is current (scripts/test.sh installs so, and the whole suite runs on it: CI compiles
+    csrc/ once), else one made here with setup.py."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("hf_moe._C")
+    installed = Path(spec.origin) if spec is not None and spec.origin else None
+    if installed is not None and f"hf_moe_source_hash={source_hash()}".encode() in installed.read_bytes():
+        so, on_path = installed, ""
+    else:
+        env = {**os.environ, "HF_MOE_BUILD_EXT": "1"}
+        build = subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+             "--build-temp", str(tmp_path / "tmp")],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert build.returncode == 0, build.stderr[-3000:]
+        (so,) = (tmp_path / "lib" / "hf_moe").glob("_C*.so")
+        assert f"hf_moe_source_hash={source_hash()}".encode() in so.read_bytes()
+        on_path = f"hf_moe.__path__.append({str(so.parent)!r})  # where this build put hf_moe._C"
+    # Built as the on-first-use build is, without setuptools' -g: debug information made the library many times
+    # bigger and its compile slower, for the same machine code (docs/backends.md).
+    assert b".debug_info" not in so.read_bytes(), f"{so} holds debug information; rebuild it (setup.py's docstring)"
+    check = _run({"HF_MOE_BACKEND": "compiled"}, f"""
+import sys, torch, hf_moe
+{on_path}
+from hf_moe.ops import load_extension
+print(load_extension()[1].how)
+print(sys.modules["hf_moe._C"].__file__)
 ids = torch.tensor([[2, 0], [1, 2]])
 print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())
 """)
-    assert check.returncode == 0, check.stderr
-    assert check.stdout.strip() == "[1, 1, 2]"
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert check.stdout.splitlines() == ["prebuilt hf_moe._C (HF_MOE_BUILD_EXT=1 pip install)", str(so), "[1, 1, 2]"]
+    stale = _run({}, _with_sources(stub_csrc, f"""
+import sys, hf_moe
+{on_path}
+print(extension._prebuilt() is None, "hf_moe._C" in sys.modules)
+"""))
+    assert stale.returncode == 0, stale.stderr[-3000:]
+    assert stale.stdout.split() == ["True", "False"] and "built from other sources" in stale.stderr, stale.stderr
 
 
 @pytest.mark.subprocess
-def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
+def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path, stub_csrc, finished_build):
     """torch's builder holds a `lock` file while it builds; a build killed midway left it, and every later process
     waited on it forever. Under hf_moe's own flock (released when a process dies) such a file is stale and goes."""
     import shutil
 
-    from hf_moe.ops.extension import _cache_dir
-
-    load_extension()  # the current build, to copy (so the test does not compile)
-    built = _cache_dir() / source_hash()
+    built = finished_build
     cache = tmp_path / "cache"
     # (without the mark of a finished build: a killed build never wrote it)
     shutil.copytree(built, cache / "ext" / built.name, ignore=shutil.ignore_patterns("lock", "*.lock", BUILT))
     (cache / "ext" / built.name / "lock").touch()  # as a killed build leaves it
-    env = {**os.environ, "HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"}
-    result = subprocess.run(
-        [sys.executable, "-c", "from hf_moe.ops import load_extension; print(load_extension()[1].how)"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    result = _run({"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"}, _with_sources(stub_csrc, _LOAD))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"built in {cache / 'ext' / built.name}"
     assert "left by a build of the extension that was killed" in result.stderr
     assert not (cache / "ext" / built.name / "lock").exists()
 
@@ -194,19 +228,15 @@ def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path):
 # One build per user and machine: where it lives, and a finished build reused as it is
 # --------------------------------------------------------------------------------------------------------------
 @pytest.fixture
-def finished_build(tmp_path) -> Path:
-    """A copy of this machine's finished build of the current sources, to reuse without compiling."""
-    import shutil
-
-    from hf_moe.ops.extension import _cache_dir
-
-    module, status = load_extension()
-    built = _cache_dir() / source_hash()
-    if module is None or not (built / BUILT).is_file():
-        pytest.skip(f"no finished build in the cache to copy ({status.how})")
-    copy = tmp_path / "finished" / built.name
-    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "*.lock"))
-    return copy
+def finished_build(tmp_path, stub_csrc, monkeypatch) -> Path:
+    """A finished build of `stub_csrc` (made here, in a second or two), to copy into the caches the tests set up;
+    their processes read `stub_csrc` as their sources (`_with_sources`)."""
+    monkeypatch.setattr(extension, "CSRC", stub_csrc)
+    monkeypatch.setenv("HF_MOE_CACHE", str(tmp_path / "finished"))
+    _, how = extension.build()
+    built = tmp_path / "finished" / "ext" / source_hash()
+    assert how == f"built in {built}" and (built / BUILT).is_file()
+    return built
 
 
 def _no_home_env(tmp_path: Path) -> dict:
@@ -222,7 +252,7 @@ _LOAD = "from hf_moe.ops import load_extension; print(load_extension()[1].how)"
 
 
 @pytest.mark.subprocess
-def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finished_build):
+def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, stub_csrc, finished_build):
     """A service user whose $HOME is not writable rebuilt the extension in every process (minutes each).
     The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
     finished build put there, which two processes load without compiling (no compiler, no ninja)."""
@@ -236,14 +266,14 @@ def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, finish
     shutil.copytree(finished_build, private / "ext" / finished_build.name)
     no_tools = {**env, "HF_MOE_BACKEND": "compiled", "CXX": "/bin/false", "PATH": os.path.dirname(sys.executable)}
     for _ in range(2):
-        result = _run(no_tools, _LOAD)
+        result = _run(no_tools, _with_sources(stub_csrc, _LOAD))
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == f"built in {private / 'ext' / finished_build.name}"
         assert "compiling" not in result.stderr
 
 
 @pytest.mark.subprocess
-def test_a_finished_build_runs_no_ninja(tmp_path, finished_build):
+def test_a_finished_build_runs_no_ninja(tmp_path, stub_csrc, finished_build):
     """torch's loader runs ninja in every new process; another ninja on PATH (a venv's against the system's) or
     another checkout of the same sources then rebuilt everything. A finished build is now imported as it is."""
     import shutil
@@ -256,7 +286,7 @@ def test_a_finished_build_runs_no_ninja(tmp_path, finished_build):
     ninja.chmod(0o755)
     env = {"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled",
            "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    result = _run(env, _LOAD)
+    result = _run(env, _with_sources(stub_csrc, _LOAD))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"built in {cache / 'ext' / finished_build.name}"
     assert not (tmp_path / "ninja-ran").exists()
