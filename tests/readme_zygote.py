@@ -4,17 +4,18 @@ once, and each block runs in a child forked from it, as `python SCRIPT` would ru
 Most blocks spend more time starting Python and importing hf_moe than running. The child is what a fresh interpreter
 would be after the same imports: its own session (so a timeout kills its whole process group), its own working
 directory, environment, `sys.argv` and `sys.path[0]`, stdin from /dev/null, stdout and stderr into one file, the block
-run as `__main__`; an uncaught exception or `sys.exit` ends it through the interpreter's own shutdown (atexit
-handlers, non-daemon threads joined), so the exit status is a fresh process's.
+run as `__main__`; it ends as the interpreter would end it (non-daemon threads joined, atexit handlers run, an
+uncaught exception's traceback on stderr, `sys.exit`'s status), less the teardown of the modules the server imported.
 
 Fork copies only the calling thread. A child is forked only while the server runs no threads but OpenBLAS's idle
 pools (which re-create themselves after a fork through pthread_atfork): an OpenMP pool (torch's intra-op threads,
 started by the first large op) or any Python thread makes the server refuse, and the caller runs the block in a fresh
 interpreter. Which blocks may not come here at all is the caller's rule (`forkable` in test_readme.py).
 
-Run as `python readme_zygote.py STATEMENT...`: runs the import statements, says `{"ready": ...}` on stdout, then serves one JSON
-request per line on stdin: {"script", "cwd", "env", "output"} -> {"pid": ...} when the child starts, then
-{"status": ...} when it ends (os.waitstatus_to_exitcode: negative for a signal), or {"refused": why} instead of both.
+Run as `python readme_zygote.py STATEMENT...`: runs the import statements (`serve`), says `{"ready": ...}` on stdout,
+then serves one JSON request per line on stdin: {"script", "cwd", "env", "output"} -> {"pid": ...} when the child
+starts, then {"status": ...} when it ends (os.waitstatus_to_exitcode: negative for a signal), or {"refused": why}
+instead of both.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _why_not_fork() -> str | None:
 
 
 def _child(request: dict, channel: tuple) -> None:
-    """Become the block's process (never returns: the script's end, or its exception, ends the interpreter)."""
+    """Become the block's process and run it (never returns)."""
     os.setsid()
     for end in channel:
         end.close()
