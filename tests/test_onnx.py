@@ -18,14 +18,21 @@ import pytest
 
 pytestmark = pytest.mark.compile
 
-pytest.importorskip("onnx", reason="onnx is not installed (pip install -e '.[dev]')")
-pytest.importorskip("onnxscript", reason="onnxscript is not installed (pip install -e '.[dev]')")
-pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install -e '.[dev]')")
-
 ROOT = Path(__file__).resolve().parents[1]
 
-# Exports `which` model with HF_MOE_BACKEND as set, then runs it in onnxruntime at two sequence lengths (a dynamic
-# sequence dimension) and prints the largest difference from PyTorch's logits and the graph's op domains.
+
+@pytest.fixture(scope="module", autouse=True)
+def _onnx_installed():
+    """Skips the module without onnx, onnxscript or onnxruntime. Checked when the module's tests run, not when pytest
+    collects it: importing onnxscript takes seconds, in every pytest process, the inner loop's included (which runs
+    none of these tests)."""
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(name, reason=f"{name} is not installed (pip install -e '.[dev]')")
+
+
+# Exports each WHICH model (WHICH PATH pairs) with HF_MOE_BACKEND as set, then runs it in onnxruntime at two sequence
+# lengths (a dynamic sequence dimension) and prints the largest difference from PyTorch's logits and the graph's op
+# domains, each line led by WHICH. One process per backend, both models in it (a process start costs about an export).
 _SCRIPT = textwrap.dedent(
     """
     import sys
@@ -36,38 +43,54 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, "tests")
     from conftest import logits_of_a_tiny_moe
 
-    model = logits_of_a_tiny_moe(sys.argv[1])
-    ids = torch.randint(3, 100, (1, 7))
-    seq = torch.export.Dim("seq", min=2, max=64)
-    program = torch.onnx.export(model, (ids,), dynamo=True, dynamic_shapes=({1: seq},), verbose=False)
-    path = sys.argv[2]
-    program.save(path)
-    domains = sorted({node.domain or "ai.onnx" for node in program.model_proto.graph.node})
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    for length in (5, 11):
-        ids = torch.randint(3, 100, (1, length))
-        got = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
-        with torch.no_grad():
-            want = model(ids).numpy()
-        print(f"length {length}: max diff {np.abs(got - want).max():.3g}")
-    print("domains:", ",".join(domains))
+    for which, path in zip(sys.argv[1::2], sys.argv[2::2]):
+        model = logits_of_a_tiny_moe(which)
+        ids = torch.randint(3, 100, (1, 7))
+        seq = torch.export.Dim("seq", min=2, max=64)
+        program = torch.onnx.export(model, (ids,), dynamo=True, dynamic_shapes=({1: seq},), verbose=False)
+        program.save(path)
+        domains = sorted({node.domain or "ai.onnx" for node in program.model_proto.graph.node})
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        for length in (5, 11):
+            ids = torch.randint(3, 100, (1, length))
+            got = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+            with torch.no_grad():
+                want = model(ids).numpy()
+            print(f"{which} length {length}: max diff {np.abs(got - want).max():.3g}")
+        print(f"{which} domains:", ",".join(domains))
     """
 )
+
+
+@pytest.fixture(scope="module")
+def onnx_runs(request, tmp_path_factory) -> dict[tuple[str, str], list[str]]:
+    """{(which, backend): the lines _SCRIPT printed for that model} for every case this session runs."""
+    selected = {(item.callspec.params["which"], item.callspec.params["backend"]) for item in request.session.items
+                if item.originalname == "test_onnx_export_runs_in_onnxruntime"}
+    out = tmp_path_factory.mktemp("onnx")
+    found = {}
+    for backend in sorted({backend for _, backend in selected}):
+        models = sorted(which for which, b in selected if b == backend)
+        args = [a for which in models for a in (which, str(out / f"{which}-{backend}.onnx"))]
+        env = {**os.environ, "HF_MOE_BACKEND": backend}
+        done = subprocess.run([sys.executable, "-c", _SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-5000:]
+        for which in models:
+            found[(which, backend)] = [line.split(" ", 1)[1] for line in done.stdout.splitlines()
+                                       if line.startswith(f"{which} ")]
+    return found
 
 
 @pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("which", ["converted", "native_mixtral"])
-def test_onnx_export_runs_in_onnxruntime(which, backend, tmp_path):
-    env = {**os.environ, "HF_MOE_BACKEND": backend}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, which, str(tmp_path / "model.onnx")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-5000:]
-    lines = done.stdout.splitlines()
+def test_onnx_export_runs_in_onnxruntime(which, backend, onnx_runs):
+    lines = onnx_runs[(which, backend)]
     diffs = [float(line.split("max diff ")[1]) for line in lines if line.startswith("length ")]
-    assert len(diffs) == 2 and max(diffs) < 1e-4, done.stdout
-    assert next(line for line in lines if line.startswith("domains:")) == "domains: ai.onnx", done.stdout
+    assert len(diffs) == 2 and max(diffs) < 1e-4, lines
+    assert next(line for line in lines if line.startswith("domains:")) == "domains: ai.onnx", lines
 
 
 def _onnxruntime_max_diff(path, model, lengths=(5, 11)) -> float:
