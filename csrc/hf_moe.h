@@ -17,7 +17,7 @@
 
 namespace hf_moe {
 
-// Activations the fused kernels implement. Others run through the pure-torch activation.
+// Activations the C++ kernels implement. Others run through the pure-torch activation.
 enum class Activation { Silu, Gelu, GeluTanh, Relu, Relu2 };
 Activation parse_activation(const std::string& name);
 

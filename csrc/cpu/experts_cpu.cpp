@@ -1,5 +1,5 @@
 // Expert computation on CPU: grouped matrix products over contiguous row groups (one call for all experts) and
-// the fused expert activation (GLU or plain, scaled by the routing weight of each row) with its backward.
+// the expert activation (expert_act: GLU or plain, scaled by the routing weight of each row) with its backward.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -1,5 +1,6 @@
 // The expert computation of one MoE layer for inference on CPU, one call, with fp32, bf16 or int8 (weight-only)
-// expert weights: hf_moe::moe_experts_infer. Same maths as moe_experts_forward (fused_cpu.cpp), without autograd:
+// expert weights: hf_moe::moe_experts_infer. Same maths as the whole-layer op moe_experts_forward
+// (whole_layer_cpu.cpp), without autograd:
 //
 //   a_r = act(x_t W1_e^T + b1_e) * w_r              (GLU: act(gate) * up)      for each (token t, expert e) pair r
 //   out_t = sum over t's pairs of  a_r W2_e^T + w_r b2_e

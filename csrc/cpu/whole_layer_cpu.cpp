@@ -1,4 +1,5 @@
-// The whole expert computation of one MoE layer on CPU, forward and backward, one call each.
+// The whole-layer op on CPU (hf_moe::moe_experts_forward / moe_experts_backward, the compiled backend's
+// `whole_forward` / `whole_backward`): the expert computation of one MoE layer, forward and backward, one call each.
 //
 // Same maths as hf_moe/ops/experts.py (ExpertsFunction), but expert by expert: each expert's rows are gathered,
 // multiplied, activated and multiplied again while they sit in cache, instead of one pass over memory per op.
