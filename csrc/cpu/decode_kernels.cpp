@@ -96,18 +96,16 @@ HF_AVX512 void accumulate_bf16_avx512(const float* p, int64_t n, const uint16_t*
 
 const AttentionKernels kPortable{"portable", exp_sum_portable, accumulate_f32_portable, accumulate_bf16_portable};
 #ifdef HF_MOE_HAS_AVX512_KERNELS
-const AttentionKernels kAvx512{"avx512_bf16", exp_sum_avx512, accumulate_f32_avx512, accumulate_bf16_avx512};
+const AttentionKernels kAvx512Table{"avx512_bf16", exp_sum_avx512, accumulate_f32_avx512, accumulate_bf16_avx512};
+const AttentionKernels* const kAvx512 = &kAvx512Table;
+#else
+const AttentionKernels* const kAvx512 = nullptr;
 #endif
 
 }  // namespace
 
 const AttentionKernels& attention_kernels(const std::string& name) {
-#ifdef HF_MOE_HAS_AVX512_KERNELS
-  if (avx512_kernels(name)) return kAvx512;
-#else
-  avx512_kernels(name);  // (checks the name)
-#endif
-  return kPortable;
+  return pick_kernels(name, kPortable, kAvx512);
 }
 
 }  // namespace infer

@@ -430,9 +430,12 @@ const Kernels kPortable{"portable",        dot_f32_portable,  dot_bf16_portable,
                         dequant_bf16_portable, to_bf16_portable, gemm_f32_portable, gemm_bf16_portable,
                         activate_portable};
 #ifdef HF_MOE_HAS_AVX512_KERNELS
-const Kernels kAvx512{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  dot_q8_avx512, dequant_f32_avx512,
-                      dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512,  gemm_bf16_avx512,
-                      activate_avx512};
+const Kernels kAvx512Table{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  dot_q8_avx512, dequant_f32_avx512,
+                           dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512,  gemm_bf16_avx512,
+                           activate_avx512};
+const Kernels* const kAvx512 = &kAvx512Table;
+#else
+const Kernels* const kAvx512 = nullptr;
 #endif
 
 }  // namespace
@@ -449,14 +452,7 @@ bool avx512_kernels(const std::string& name) {
   return false;
 }
 
-const Kernels& infer_kernels(const std::string& name) {
-#ifdef HF_MOE_HAS_AVX512_KERNELS
-  if (avx512_kernels(name)) return kAvx512;
-#else
-  avx512_kernels(name);  // (checks the name)
-#endif
-  return kPortable;
-}
+const Kernels& infer_kernels(const std::string& name) { return pick_kernels(name, kPortable, kAvx512); }
 
 }  // namespace infer
 }  // namespace hf_moe

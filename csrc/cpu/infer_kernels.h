@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "../hf_moe.h"
 #include "infer_tile.h"
@@ -61,6 +62,14 @@ const Kernels& infer_kernels(const std::string& name = "auto");
 // Whether the kernel set `name` names is the AVX-512 one: "auto" on a CPU with AVX-512 BF16, or "avx512_bf16"
 // (an error on a CPU without it); false for "portable"; an error for any other name.
 bool avx512_kernels(const std::string& name);
+
+// The table of a kernel set (Kernels here, AttentionKernels in decode_kernels.h) that `name` picks: `avx512` where
+// avx512_kernels(name) says so, else `portable`. `avx512` is null in a build without the AVX-512 kernels, where
+// avx512_kernels is never true.
+template <class Table>
+const Table& pick_kernels(const std::string& name, const Table& portable, const Table* avx512) {
+  return avx512_kernels(name) && avx512 != nullptr ? *avx512 : portable;
+}
 
 }  // namespace infer
 }  // namespace hf_moe
