@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace hf_moe {
 namespace infer {
@@ -151,6 +152,40 @@ HF_AVX512 void dot_tile_q8(const float* x, int64_t ldx, const int8_t* q, int64_t
   store_tile<MR, NR>(acc, out, ldo);
 }
 
+// 16 dequantized weights (fp32) stored as they are, or rounded to bf16 (nearest even, as torch's .to(torch.bfloat16)).
+HF_AVX512 inline void store16(float* d, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(d, mask, v); }
+HF_AVX512 inline void store16(uint16_t* d, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(d, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// dequant_f32 / dequant_bf16 of infer_kernels.h: `cols` int8 rows, group by group (the scale loaded once per group),
+// to fp32 or bf16 (T = uint16_t, the bits) rows of k values. bf16 converts two vectors into one where it can.
+template <typename T>
+HF_AVX512 void dequant_rows(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group, int cols,
+                            int64_t k, T* dst) {
+  for (int j = 0; j < cols; ++j) {
+    const int8_t* qr = q + j * ldq;
+    const float* sr = scale + j * ld_scale;
+    T* d = dst + j * k;
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const int64_t end = std::min(k, g0 + group);
+      const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
+      int64_t c = g0;
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        for (; c + 32 <= end; c += 32) {
+          const __m512 lo = dequant16(qr + c, 0xffff, sv);
+          const __m512 hi = dequant16(qr + c + 16, 0xffff, sv);
+          _mm512_storeu_si512(d + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+      for (; c < end; c += 16) {
+        const __mmask16 mask = lanes16(end - c);
+        store16(d + c, mask, dequant16(qr + c, mask, sv));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 HF_AVX512 void dot_q8_avx512(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq,
@@ -183,43 +218,12 @@ HF_AVX512 void dot_q8_avx512(const float* x, int64_t ldx, int64_t rows, const in
 
 HF_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
                                   int cols, int64_t k, float* dst) {
-  for (int j = 0; j < cols; ++j) {
-    const int8_t* qr = q + j * ldq;
-    const float* sr = scale + j * ld_scale;
-    float* d = dst + j * k;
-    for (int64_t g0 = 0; g0 < k; g0 += group) {
-      const int64_t end = std::min(k, g0 + group);
-      const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
-      for (int64_t c = g0; c < end; c += 16) {
-        const __mmask16 mask = lanes16(end - c);
-        _mm512_mask_storeu_ps(d + c, mask, dequant16(qr + c, mask, sv));
-      }
-    }
-  }
+  dequant_rows(q, ldq, scale, ld_scale, group, cols, k, dst);
 }
 
 HF_AVX512 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
                                    int cols, int64_t k, uint16_t* dst) {
-  for (int j = 0; j < cols; ++j) {
-    const int8_t* qr = q + j * ldq;
-    const float* sr = scale + j * ld_scale;
-    uint16_t* d = dst + j * k;
-    for (int64_t g0 = 0; g0 < k; g0 += group) {
-      const int64_t end = std::min(k, g0 + group);
-      const __m512 sv = _mm512_set1_ps(sr[g0 / group]);
-      int64_t c = g0;
-      for (; c + 32 <= end; c += 32) {
-        const __m512 lo = dequant16(qr + c, 0xffff, sv);
-        const __m512 hi = dequant16(qr + c + 16, 0xffff, sv);
-        _mm512_storeu_si512(d + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      }
-      for (; c < end; c += 16) {
-        const __mmask16 mask = lanes16(end - c);
-        const __m256bh v = _mm512_cvtneps_pbh(dequant16(qr + c, mask, sv));
-        _mm256_mask_storeu_epi16(d + c, mask, (__m256i)v);
-      }
-    }
-  }
+  dequant_rows(q, ldq, scale, ld_scale, group, cols, k, dst);
 }
 
 }  // namespace infer
