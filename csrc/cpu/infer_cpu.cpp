@@ -124,6 +124,34 @@ int64_t packed_index(int64_t c, int64_t m, int64_t ld) {
   return std::is_same_v<T, float> ? infer::packed_index_f32(c, m, ld) : infer::packed_index_bf16(c, m, ld);
 }
 
+// One expert's rows of activations, the left operand of its products with a weight: `rows` rows of k values in the
+// compute type, packed k-major for the GEMM kernels (`ld` rows) or row-major for the dot kernels; for int8 weights
+// on the dot path, also as fp32 (`f32`, else null).
+template <typename T>
+struct ExpertInput {
+  const T* data;
+  const float* f32;
+  bool packed;
+  int64_t ld, rows, k;
+
+  int64_t step() const { return packed ? infer::kGemmCols : kTile; }  // weight rows per kernel call
+};
+
+// out[r * ldo + j] = x_r . w_e[r0 + j] for r < x.rows, j < cols <= x.step(): int8 weight rows dequantized in registers
+// against x.f32 where it is set, else the weight rows (int8 ones dequantized into `scratch`) against x.data.
+template <typename T>
+void multiply(const Kernels& kn, const ExpertInput<T>& x, const WeightRows<T>& w, int64_t e, int64_t r0, int cols,
+              T* scratch, float* out, int64_t ldo) {
+  if (x.f32) {
+    w.dot_q8(kn, e, r0, cols, x.f32, x.k, x.rows, out, ldo);
+    return;
+  }
+  int64_t ld;
+  const T* wr = w.get(kn, e, r0, cols, scratch, ld);
+  if (x.packed) gemm(kn, wr, ld, cols, x.data, x.ld, x.rows, x.k, out, ldo);
+  else dot(kn, x.data, x.k, x.rows, wr, ld, cols, x.k, out, ldo);
+}
+
 // Where each expert's rows live in a buffer of `width` values per row: row-major (few rows: the dot kernels), or
 // packed k-major for the GEMM kernels (infer_kernels.h), with `ld` rows (a multiple of 16, zero-padded).
 struct ExpertRows {
@@ -146,6 +174,15 @@ struct ExpertRows {
       packed.push_back(gemm);
       size += gemm ? ld.back() * (width + width % 2) : rows * width;
     }
+  }
+
+  // Expert e's `rows` rows of `buffer` (laid out here, `width` values per row), and as fp32 in `f32_scratch` when
+  // `int8` weights take them on the dot path.
+  template <typename T>
+  ExpertInput<T> input(const T* buffer, int64_t e, int64_t rows, int64_t width, bool int8, float* f32_scratch) const {
+    const T* data = buffer + start[e];
+    const float* f32 = int8 && !packed[e] ? as_f32(data, rows * width, f32_scratch) : nullptr;
+    return {data, f32, static_cast<bool>(packed[e]), ld[e], rows, width};
   }
 };
 
@@ -275,24 +312,12 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const Wei
       const int64_t e = experts[task / up_blocks];
       const int64_t j0 = (task % up_blocks) * kUpBlock, width = std::min(kUpBlock, inter - j0);
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-      const T* xe = xs.data() + x_rows.start[e];
-      const bool packed = x_rows.packed[e];
-      const float* xf = int8 && !packed ? as_f32(xe, rows * hid, x_f32) : nullptr;
-      const int64_t step = packed ? infer::kGemmCols : kTile;
-      for (int64_t j = 0; j < width; j += step) {
-        const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
-        for (int half = 0; half < (glu ? 2 : 1); ++half) {
-          const int64_t row = half * inter + j0 + j;
-          float* dst = (half ? upv : gate) + j;
-          if (xf) {
-            up.dot_q8(kn, e, row, cols, xf, hid, rows, dst, kUpBlock);
-            continue;
-          }
-          int64_t ld;
-          const T* w = up.get(kn, e, row, cols, wbuf + half * kRows * kmax, ld);
-          if (packed) gemm(kn, w, ld, cols, xe, x_rows.ld[e], rows, hid, dst, kUpBlock);
-          else dot(kn, xe, hid, rows, w, ld, cols, hid, dst, kUpBlock);
-        }
+      const ExpertInput<T> xe = x_rows.input(xs.data(), e, rows, hid, int8, x_f32);
+      for (int64_t j = 0; j < width; j += xe.step()) {
+        const int cols = static_cast<int>(std::min<int64_t>(xe.step(), width - j));
+        for (int half = 0; half < (glu ? 2 : 1); ++half)
+          multiply(kn, xe, up, e, half * inter + j0 + j, cols, wbuf + half * kRows * kmax, (half ? upv : gate) + j,
+                   kUpBlock);
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* g = gate + r * kUpBlock;
@@ -326,20 +351,10 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const Wei
       for (int64_t t = 0; t < n_tokens; ++t) std::fill_n(sum + t * hid + n0, width, 0.0f);
       for (int64_t e : experts) {
         const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        const T* ae = a.data() + a_rows.start[e];
-        const bool packed = a_rows.packed[e];
-        const float* af = int8 && !packed ? as_f32(ae, rows * inter, x_f32) : nullptr;
-        const int64_t step = packed ? infer::kGemmCols : kTile;
-        for (int64_t j = 0; j < width; j += step) {
-          const int cols = static_cast<int>(std::min<int64_t>(step, width - j));
-          if (af) {
-            down.dot_q8(kn, e, n0 + j, cols, af, inter, rows, ybuf + j, kDownBlock);
-            continue;
-          }
-          int64_t ld;
-          const T* w = down.get(kn, e, n0 + j, cols, wbuf, ld);
-          if (packed) gemm(kn, w, ld, cols, ae, a_rows.ld[e], rows, inter, ybuf + j, kDownBlock);
-          else dot(kn, ae, inter, rows, w, ld, cols, inter, ybuf + j, kDownBlock);
+        const ExpertInput<T> ae = a_rows.input(a.data(), e, rows, inter, int8, x_f32);
+        for (int64_t j = 0; j < width; j += ae.step()) {
+          const int cols = static_cast<int>(std::min<int64_t>(ae.step(), width - j));
+          multiply(kn, ae, down, e, n0 + j, cols, wbuf, ybuf + j, kDownBlock);
         }
         const float* b = bias2_p ? bias2_p + e * hid + n0 : nullptr;
         for (int64_t r = 0; r < rows; ++r) {
