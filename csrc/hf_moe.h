@@ -15,11 +15,9 @@
 #include <string>
 #include <tuple>
 
-namespace hf_moe {
+#include "activation.h"
 
-// Activations the C++ kernels implement. Others run through the pure-torch activation.
-enum class Activation { Silu, Gelu, GeluTanh, Relu, Relu2 };
-Activation parse_activation(const std::string& name);
+namespace hf_moe {
 
 // Rows [begin, end) of each group, from tokens_per_expert on the host (CPU tensors only).
 std::vector<int64_t> group_offsets_host(const at::Tensor& tokens_per_expert);

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../hf_moe.h"
+#include "../activation.h"
 #include "infer_tile.h"
 
 namespace hf_moe {

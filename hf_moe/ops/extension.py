@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -134,18 +135,33 @@ def build(verbose: bool = False):
 
 # Written in a build directory once its library is complete; holds the seconds the build took.
 BUILT = "hf_moe-build.done"
-# CPU seconds (user + sys) g++ -O3 spends on one translation unit: one that includes <torch/extension.h> (pybind11
-# and all of torch's headers) costs about twice any other; docs/backends.md gives the whole build's time.
-TORCH_EXTENSION_UNIT_S, UNIT_S = 27, 12
+# CPU seconds (user + sys) g++ -O3 spends on one translation unit, by the heaviest torch header it parses (itself or
+# through a csrc/ header it includes): <torch/extension.h> (pybind11 and all of torch), ATen, or none (the pure-SIMD
+# kernel files); measured per file in docs/backends.md.
+TORCH_EXTENSION_UNIT_S, UNIT_S, SIMD_UNIT_S = 42, 28, 5
 LINK_S = 2
 PROGRESS_EVERY_S = 30  # (a build's progress, in a log rather than on a terminal)
 
 
 def compile_cpu_seconds(csrc: Path | None = None) -> list[float]:
-    """The CPU seconds each source of the build (`manifest`) takes to compile, estimated."""
+    """The CPU seconds each source of the build (`manifest`) takes to compile, estimated from the torch headers it
+    parses (`TORCH_EXTENSION_UNIT_S`, `UNIT_S`, `SIMD_UNIT_S`)."""
     csrc = CSRC if csrc is None else Path(csrc)
-    return [TORCH_EXTENSION_UNIT_S if b"<torch/extension.h>" in (csrc / name).read_bytes() else UNIT_S
-            for name in manifest(SOURCE_PATTERNS, csrc)]
+
+    def includes(path: Path, seen: set[Path]) -> bytes:  # the file and every csrc/ header it reaches, concatenated
+        if path in seen or not path.is_file():
+            return b""
+        seen.add(path)
+        text = path.read_bytes()
+        local = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', text, flags=re.MULTILINE)
+        return text + b"".join(includes((path.parent / name.decode()).resolve(), seen) for name in local)
+
+    seconds = []
+    for name in manifest(SOURCE_PATTERNS, csrc):
+        text = includes((csrc / name).resolve(), set())
+        seconds.append(TORCH_EXTENSION_UNIT_S if b"<torch/extension.h>" in text
+                       else UNIT_S if b"<ATen/" in text or b"<torch/" in text else SIMD_UNIT_S)
+    return seconds
 
 
 def build_estimate(ext_dir: Path) -> str:
