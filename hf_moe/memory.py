@@ -25,7 +25,7 @@ def available_memory(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -
     where procfs and the cgroup filesystems are mounted (tests point them at fake trees)."""
     available = None
     try:
-        with open(os.path.join(proc, "meminfo")) as f:  # (not a checkpoint's file)
+        with open(os.path.join(proc, "meminfo")) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024

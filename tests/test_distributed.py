@@ -286,8 +286,10 @@ def test_the_launch_commands_of_the_expert_parallel_message_start_n_processes_on
     commands = re.findall(r"`((?:torchrun|accelerate launch) [^`]*)`", str(caught.value))
     assert [c.split()[0] for c in commands] == ["torchrun", "accelerate"]
     script = tmp_path / "script.py"
-    script.write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                      "print('WORLD', dist.get_rank(), dist.get_world_size(), flush=True)\n")
+    # One write per line: the two ranks share the pipe, and print()'s pieces (unbuffered under PYTHONUNBUFFERED)
+    # interleave ("WORLDWORLD 1 2"); a write under PIPE_BUF bytes is atomic.
+    script.write_text("import os\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "os.write(1, f'WORLD {dist.get_rank()} {dist.get_world_size()}\\n'.encode())\n")
     for command in commands:
         argv = [str(script) if word == "script.py" else "2" if word == "N" else word for word in command.split()]
         out = _run(argv, timeout=300).stdout

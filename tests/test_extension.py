@@ -322,13 +322,14 @@ def test_the_shared_temp_dir_is_used_only_when_private(tmp_path, monkeypatch):
 
 
 @pytest.mark.subprocess
-def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(tmp_path):
-    """No usable cache (no $HOME, an unsafe temp dir): one warning naming HF_MOE_CACHE, and the pure-torch ops, not
-    a build in every process."""
+def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(tmp_path, stub_csrc):
+    """No usable cache (no $HOME, an unsafe temp dir) for sources that need a build (the stub's: a prebuilt
+    hf_moe._C is stale for them): one warning naming HF_MOE_CACHE, and the pure-torch ops, not a build in every
+    process."""
     env = _no_home_env(tmp_path)
     (tmp_path / "tmp" / f"hf_moe-{os.getuid()}").mkdir(mode=0o777)
     os.chmod(tmp_path / "tmp" / f"hf_moe-{os.getuid()}", 0o777)
-    result = _run(env)
+    result = _run(env, _with_sources(stub_csrc, _RUN))
     assert result.returncode == 0, result.stderr
     assert "backend: torch" in result.stdout and "set HF_MOE_CACHE to a writable directory" in result.stderr
     assert "compiling" not in result.stderr

@@ -299,8 +299,8 @@ _READS = re.compile(r"\bopen\(|\.read_bytes\(|\.read_text\(|safe_open\(|load_fil
 # Every other read in the package, with why it is not a read of a checkpoint's file: (file, text of the line).
 NOT_CHECKPOINT_FILES = {
     ("hf_moe/ops/extension.py", "data = (csrc / name).read_bytes()"): "hashes hf_moe's C++ sources (the build's key)",
-    ("hf_moe/ops/extension.py", '"<torch/extension.h>" in (csrc / name).read_bytes()'): "hf_moe's C++ sources (the "
-                                                                                         "build's estimate)",
+    ("hf_moe/ops/extension.py", "text = path.read_bytes()"): "hf_moe's C++ sources and headers (the compile "
+                                                             "estimate)",
     ("hf_moe/ops/extension.py", 'open(build_dir / "hf_moe-build.lock", "a")'): "the extension build cache's lock",
     ("hf_moe/ops/extension.py", "Path(spec.origin).read_bytes()"): "the compiled extension's own file",
     ("hf_moe/model_card.py", "(TEMPLATES / name).read_text()"): "the model card templates shipped in the package",
@@ -314,9 +314,11 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/checkpoint/commit.py", "shutil.copytree(src, dst"): "carries the old OUT's unrelated files (links them)",
     ("hf_moe/checkpoint/commit.py", "shutil.copy2(src, dst"): "carries an unrelated file where it cannot be linked",
     ("hf_moe/checkpoint/commit.py", "os.open(staging, "): "writes a file's staged replacement (replace_file)",
-    ("hf_moe/memory.py", 'open("/proc/meminfo")'): "the machine's available memory",
-    ("hf_moe/memory.py", 'open("/sys/fs/cgroup/memory.max")'): "this cgroup's memory limit",
-    ("hf_moe/memory.py", 'open("/sys/fs/cgroup/memory.current")'): "this cgroup's memory use",
+    ("hf_moe/memory.py", 'open(os.path.join(proc, "meminfo"))'): "the machine's available memory",
+    ("hf_moe/memory.py", 'open(os.path.join(proc, "self", "cgroup"))'): "this process's cgroups",
+    ("hf_moe/memory.py", "open(os.path.join(directory, limit_file))"): "a cgroup's memory limit",
+    ("hf_moe/memory.py", 'open(os.path.join(directory, "memory.stat"))'): "a cgroup's reclaimable page cache",
+    ("hf_moe/memory.py", "open(os.path.join(directory, usage_file))"): "a cgroup's memory use",
     ("hf_moe/checkpoint/snapshot.py", "os.open(directory, os.O_RDONLY"): "opens the directory itself, to lock it",
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(directory)"): "the readers' turnstile lock beside OUT",
     ("hf_moe/checkpoint/snapshot.py", "os.open(_turnstile(target)"): "the writers' turnstile lock beside OUT",
