@@ -30,8 +30,11 @@ python -m pip install "setuptools>=70.1" wheel ninja
 # csrc/ is compiled once (tests/test_extension.py checks this build, and the on-first-use build's machinery on a
 # stub). Built only when the one there is not current (its stamp: the sources, flags, Python and torch install), as
 # the on-first-use build is kept in its cache.
+prebuilt_is_current() {
+    python -c "from hf_moe.ops import extension; assert extension._prebuilt(), 'hf_moe._C is missing or stale'"
+}
 ext=1
-python -c "from hf_moe.ops import extension; assert extension._prebuilt()" 2>/dev/null && ext=0
+prebuilt_is_current 2>/dev/null && ext=0
 HF_MOE_BUILD_EXT=$ext python -m pip install --no-build-isolation -e ".[dev]"
 # The newest transformers the bound in pyproject.toml admits (an existing venv would keep an older one), and a check
 # that it is the newest release hf_moe records as tested (hf_moe/compat.py TESTED; docs/compatibility.md).
@@ -42,7 +45,7 @@ assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transf
 # skips without it. (Reinstalling hf_moe editable leaves hf_moe._C in place.)
 DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
-python -c "from hf_moe.ops import extension; assert extension._prebuilt(), 'hf_moe._C is missing or stale'"
+prebuilt_is_current
 # The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change): most tests use one core, so two workers
 # cut the wall time on a 2-core machine (measured: docs/compatibility.md). Tests, not files, are shared out, and an
 # idle worker takes the rest of the other's queue (worksteal): with a file per worker, the README's blocks (a hundred

@@ -372,14 +372,13 @@ def test_readme_block(document: Path, block: Block, block_dir: Path, request):
         cmd = [sys.executable, str(script)]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-    try:
-        if not forkable(block):
-            raise ZygoteRefused("the block needs a fresh interpreter")
-        status, output = _run_forked(request.getfixturevalue("readme_zygote"), script, block_dir)
-    except ZygoteRefused as why:
-        if forkable(block):  # a server that cannot fork costs every block its imports again: say so
+    forked = None
+    if forkable(block):
+        try:
+            forked = _run_forked(request.getfixturevalue("readme_zygote"), script, block_dir)
+        except ZygoteRefused as why:  # a server that cannot fork costs every block its imports again: say so
             warnings.warn(f"{_name(document)} line {block.line} ran in a fresh interpreter: {why}")
-        status, output = _run(cmd, block_dir)
+    status, output = forked if forked is not None else _run(cmd, block_dir)
     if status == 0:
         return
     what = f"timed out after {TIMEOUT_S} s" if status is None else f"failed with exit status {status}"
