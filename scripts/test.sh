@@ -30,8 +30,13 @@ python -m pip install "setuptools>=70.1" wheel ninja
 # csrc/ is compiled once (tests/test_extension.py checks this build, and the on-first-use build's machinery on a
 # stub). Built only when the one there is not current (its stamp: the sources, flags, Python and torch install), as
 # the on-first-use build is kept in its cache.
+# The build must be this checkout's own hf_moe/_C*.so: an editable install of another tree (a machine image's earlier
+# checkout) also answers `import hf_moe._C`, and its current build must not stand in for a missing one here.
 prebuilt_is_current() {
-    python -c "from hf_moe.ops import extension; assert extension._prebuilt(), 'hf_moe._C is missing or stale'"
+    python -c "import pathlib, importlib.util; from hf_moe.ops import extension; \
+spec = importlib.util.find_spec('hf_moe._C'); here = pathlib.Path('hf_moe').resolve(); \
+assert spec and spec.origin and pathlib.Path(spec.origin).resolve().parent == here, f'no hf_moe._C built in {here}'; \
+assert extension._prebuilt(), 'hf_moe._C is stale'"
 }
 ext=1
 prebuilt_is_current 2>/dev/null && ext=0
