@@ -1,7 +1,7 @@
 """The compiled inference kernel `hf_moe::moe_experts_infer` (csrc/cpu/infer_cpu.cpp, infer_kernels.cpp and
 infer_kernels_q8.cpp) against the pure-torch reference: fp32, bf16 and int8 (dequantize-then-matmul) weights, fp32
-and bf16 activations, both kernel sets (AVX-512 BF16 where the CPU has it, and the portable C++ one), on the routing
-edge cases of test_ops.py."""
+and bf16 activations, every kernel set (AVX-512 BF16 where the CPU has it, AVX2 with FMA, and the portable C++ one),
+on the routing edge cases of test_ops.py."""
 
 from __future__ import annotations
 
@@ -24,9 +24,25 @@ def compiled():
     return ops
 
 
-# "auto": the kernels this CPU runs by default (AVX-512 BF16 where present); "portable": the C++ kernels of every other
-# CPU, run here on a subset of the cases.
-KERNEL_SETS = ["auto", "portable"]
+# "auto": the kernels this CPU runs by default (AVX-512 BF16 where present, else AVX2 where present); "avx2" and
+# "portable": the kernels of CPUs without AVX-512 BF16 or without AVX2, run here on a subset of the cases.
+KERNEL_SETS = ["auto", "avx2", "portable"]
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return False
+    return {"avx2", "fma"} <= flags
+
+
+@pytest.fixture(autouse=True)
+def _kernel_set_runs_here(request):
+    """Skips the "avx2" cases on a CPU without AVX2 and FMA (where the op refuses the name)."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("kernels") == "avx2" and not _cpu_has_avx2_fma():
+        pytest.skip("this CPU has no AVX2 with FMA")
 
 
 def _weights(e, hidden, inter, glu, bias, seed=1):
@@ -96,8 +112,8 @@ def _prepared(kind, w1, w2, hidden, inter):
     return (q1, s1, q2, s2), (dequantize_int8(q1, s1), dequantize_int8(q2, s2))
 
 
-def _portable_subset(cases):
-    return [pytest.param(*case, "portable", id="-".join(map(str, case)) + "-portable") for case in cases]
+def _subset(cases, kernels):
+    return [pytest.param(*case, kernels, id="-".join(map(str, case)) + f"-{kernels}") for case in cases]
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -105,8 +121,8 @@ def _portable_subset(cases):
 @pytest.mark.parametrize(
     "n,k,e,mode,hidden,inter,glu,bias,kernels",
     [(*case, glu, bias, "auto") for case in CASES for glu, bias in [(True, False), (False, True), (True, True)]]
-    + _portable_subset([(*CASES[0], True, False), (*CASES[2], True, True), (*CASES[3], False, True),
-                        (*CASES[6], True, True)]),
+    + [case for kernels in ("avx2", "portable") for case in _subset(
+        [(*CASES[0], True, False), (*CASES[2], True, True), (*CASES[3], False, True), (*CASES[6], True, True)], kernels)],
 )
 def test_infer_matches_reference(n, k, e, mode, hidden, inter, glu, bias, kind, x_dtype, kernels, compiled):
     """moe_experts_infer equals the reference computation on the values it multiplies: for int8 weights, that is
@@ -205,7 +221,7 @@ def test_infer_errors_name_the_fix(compiled):
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         op(x.double(), index, weights, w1.double(), None, None, w2.double(), None, None, "silu", True)
     with pytest.raises(RuntimeError, match="unknown kernel set"):
-        op(x, index, weights, w1, None, None, w2, None, None, "silu", True, "avx2")
+        op(x, index, weights, w1, None, None, w2, None, None, "silu", True, "sse2")
 
 
 def _ran(fn, name="hf_moe::moe_experts_infer"):

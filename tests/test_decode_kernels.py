@@ -1,5 +1,5 @@
 """The decode step's C++ kernels (csrc/cpu/decode_cpu.cpp) against their pure-torch references (hf_moe/ops/decode.py),
-both kernel sets (AVX-512 where the CPU has it, and the portable one), and `QuantizedLinear` against
+every kernel set (AVX-512 where the CPU has it, AVX2 with FMA, and the portable one), and `QuantizedLinear` against
 dequantize-then-matmul. Inference only: the ops have no backward, and nothing calls them with a gradient."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from hf_moe.layers.quantized_linear import QuantizedLinear
 from hf_moe.ops import load_extension
 from hf_moe.ops.decode import decode_attention_block_reference, linear_infer_reference
 from hf_moe.ops.int8 import dequantize_int8, quantize_int8
+from test_cpu_kernels import _kernel_set_runs_here  # noqa: F401 (autouse: skips "avx2" on a CPU without it)
 
 pytestmark = pytest.mark.skipif(load_extension()[0] is None, reason="the compiled extension is not available")
-KERNELS = ["auto", "portable"]
+KERNELS = ["auto", "avx2", "portable"]
 
 
 def tolerance(dtype):

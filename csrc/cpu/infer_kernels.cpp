@@ -7,6 +7,7 @@
 // non-AVX-512 caller would run.
 
 #include "infer_kernels.h"
+#include "infer_kernels_avx2.h"
 #include "infer_kernels_q8.h"
 #include "simd_avx512.h"
 
@@ -437,13 +438,30 @@ const Kernels* const kAvx512 = &kAvx512Table;
 #else
 const Kernels* const kAvx512 = nullptr;
 #endif
+#ifdef HF_MOE_HAS_AVX2_KERNELS
+// AVX2 for the kernels that do one operation per weight per token; the portable ones for the rest.
+const Kernels kAvx2Table{"avx2",   dot_f32_avx2,  dot_bf16_avx2,  dot_q8_avx2, dequant_f32_portable, dequant_bf16_portable,
+                         to_bf16_portable, gemm_f32_avx2, gemm_bf16_avx2, activate_portable};
+const Kernels* const kAvx2 = &kAvx2Table;
+#else
+const Kernels* const kAvx2 = nullptr;
+#endif
+
+bool avx2_kernels(const std::string& name) {
+#ifdef HF_MOE_HAS_AVX2_KERNELS
+  static const bool avx2 = cpu_has_avx2_fma();
+  if (avx2) return name == "auto" || name == "avx2";
+#endif
+  TORCH_CHECK(name != "avx2", "hf_moe: this CPU lacks AVX2 with FMA; use the 'auto' or 'portable' kernels");
+  return false;
+}
 
 }  // namespace
 
 bool avx512_kernels(const std::string& name) {
-  if (name == "portable") return false;
+  if (name == "portable" || name == "avx2") return false;
   TORCH_CHECK(name == "auto" || name == "avx512_bf16", "hf_moe: unknown kernel set '", name,
-              "' (auto, avx512_bf16 or portable)");
+              "' (auto, avx512_bf16, avx2 or portable)");
 #ifdef HF_MOE_HAS_AVX512_KERNELS
   static const bool avx512 = cpu_has_avx512_bf16();
   if (avx512) return true;
@@ -452,7 +470,10 @@ bool avx512_kernels(const std::string& name) {
   return false;
 }
 
-const Kernels& infer_kernels(const std::string& name) { return pick_kernels(name, kPortable, kAvx512); }
+const Kernels& infer_kernels(const std::string& name) {
+  if (avx512_kernels(name)) return pick_kernels(name, kPortable, kAvx512);
+  return avx2_kernels(name) && kAvx2 != nullptr ? *kAvx2 : kPortable;
+}
 
 }  // namespace infer
 }  // namespace hf_moe

@@ -1,6 +1,7 @@
 // Inner kernels of the inference experts op (infer_cpu.cpp), one set per instruction set: AVX-512 with BF16
-// (vdpbf16ps) where the CPU has it, portable C++ elsewhere. Picked once at run time (`infer_kernels`), so the
-// extension builds with the default flags and runs on any x86-64 or ARM CPU.
+// (vdpbf16ps) where the CPU has it, else AVX2 with FMA for the dot products and GEMMs (infer_kernels_avx2.h), else
+// portable C++. Picked once at run time (`infer_kernels`), so the extension builds with the default flags and runs
+// on any x86-64 or ARM CPU.
 //
 // Weights are in transformers' layout, [out, K] row-major (K contiguous), so every kernel is a dot product along
 // K: one output row of the weight against each activation row. No packed copy of the weights is needed, and a
@@ -29,7 +30,7 @@ inline int64_t packed_index_f32(int64_t c, int64_t m, int64_t ld) { return c * l
 inline int64_t packed_index_bf16(int64_t c, int64_t m, int64_t ld) { return (c / 2) * 2 * ld + 2 * m + c % 2; }
 
 struct Kernels {
-  const char* isa;  // "avx512_bf16" or "portable"
+  const char* isa;  // "avx512_bf16", "avx2" or "portable"
   // out[m * ldo + j] = sum_k x[m * ldx + k] * w[j * ldw + k], for m < rows, j < cols <= kTile.
   void (*dot_f32)(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int cols, int64_t k,
                   float* out, int64_t ldo);
@@ -56,11 +57,11 @@ struct Kernels {
   void (*activate)(const float* g, const float* u, float scale, int64_t n, Activation act, float* out);
 };
 
-// The best kernels for this CPU; `name` "portable" forces the portable ones (tests, benchmarks), "auto" picks.
+// The best kernels for this CPU; `name` "portable" or "avx2" forces that set (tests, benchmarks), "auto" picks.
 const Kernels& infer_kernels(const std::string& name = "auto");
 
 // Whether the kernel set `name` names is the AVX-512 one: "auto" on a CPU with AVX-512 BF16, or "avx512_bf16"
-// (an error on a CPU without it); false for "portable"; an error for any other name.
+// (an error on a CPU without it); false for "portable" and "avx2"; an error for any other name.
 bool avx512_kernels(const std::string& name);
 
 // The table of a kernel set (Kernels here, AttentionKernels in decode_kernels.h) that `name` picks: `avx512` where

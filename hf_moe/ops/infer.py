@@ -31,7 +31,8 @@ def _isa() -> str:
 
 @torch.compiler.assume_constant_result  # decided on the host once; a trace keeps the answer
 def kernel_isa() -> str:
-    """The kernel set the inference op uses on this CPU: "avx512_bf16" or "portable". Needs the extension."""
+    """The kernel set the inference op uses on this CPU: "avx512_bf16", "avx2" (the dot products and GEMMs; int8
+    weights only: fp32 and bf16 ones keep torch's GEMMs there) or "portable". Needs the extension."""
     return _isa()
 
 

@@ -58,7 +58,7 @@ SCHEMAS = {
                             "Tensor w2, Tensor? b2, str activation, bool glu, bool need_x, bool need_weights, "
                             "bool need_params) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     # Inference only (infer.py; its CPU kernel is csrc/cpu/infer_cpu.cpp): w1 [E, W, H], w2 [E, H, I] fp32, bf16 or
-    # int8 with fp32 scales [E, out] or [E, out, groups]; returns [N, H]. kernels: "auto" or "portable" (tests).
+    # int8 with fp32 scales [E, out] or [E, out, groups]; returns [N, H]. kernels: "auto", "avx2" or "portable" (tests).
     "moe_experts_infer": "(Tensor hidden_states, Tensor top_k_index, Tensor top_k_weights, Tensor w1, "
                          "Tensor? w1_scale, Tensor? b1, Tensor w2, Tensor? w2_scale, Tensor? b2, str activation, "
                          "bool glu, str kernels=\"auto\") -> Tensor",
