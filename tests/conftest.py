@@ -57,6 +57,46 @@ def _deterministic():
     yield
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Threads: the cores shared out among pytest-xdist's workers
+# --------------------------------------------------------------------------------------------------------------------
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# torch's intra-op threads per test process: the cores over pytest-xdist's workers (None outside xdist). Two workers on
+# two cores, each with torch's default of a thread per core, ran every parallel region on four threads over two cores,
+# and OpenMP's threads spin while they wait for each other: a Trainer test took 26 s in the suite against 2.8 s alone
+# (benchmarks/results/test_durations.txt has the suite's times).
+WORKER_THREADS = (max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+                  if os.environ.get("PYTEST_XDIST_WORKER_COUNT") else None)
+
+
+def pytest_configure(config):
+    if WORKER_THREADS is not None:
+        torch.set_num_threads(WORKER_THREADS)
+        # The processes tests start (CLIs, README blocks, launchers) share the worker's cores too.
+        os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads():
+    """Each test starts with the worker's threads, whatever the test before it set."""
+    if WORKER_THREADS is not None and torch.get_num_threads() != WORKER_THREADS:
+        torch.set_num_threads(WORKER_THREADS)
+    yield
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads for the test (the C++ kernels split a layer's rows over the threads; with one thread per
+    worker that split would go untested)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_tokenizer():
     """A character-level fast tokenizer with < VOCAB ids, built offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -14,6 +14,7 @@ from hf_moe.ops.experts import run_experts
 from hf_moe.ops.int8 import dequantize_int8, quantize_int8
 from test_ops import _Experts, _routing
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' split of rows over threads
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "relu", "relu2"]
 
 

@@ -255,6 +255,7 @@ def test_fast_decode_kwargs_are_transformers_generate_arguments():
 
 
 # -------------------------------------------------------------------------------------------------- hf-moe generate
+@pytest.mark.compile  # the static cache compiles the decode step
 def test_cli_generate_with_a_static_cache_streams_the_default_paths_tokens(tmp_path, capsys):
     """`hf-moe generate --cache-implementation static` (the compiled decode step) and `--dtype fp32` stream what the
     default path streams."""

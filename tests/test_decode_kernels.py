@@ -13,7 +13,8 @@ from hf_moe.ops.decode import decode_attention_block_reference, linear_infer_ref
 from hf_moe.ops.int8 import dequantize_int8, quantize_int8
 from test_cpu_kernels import _kernel_set_runs_here  # noqa: F401 (autouse: skips "avx2" on a CPU without it)
 
-pytestmark = pytest.mark.skipif(load_extension()[0] is None, reason="the compiled extension is not available")
+pytestmark = [pytest.mark.skipif(load_extension()[0] is None, reason="the compiled extension is not available"),
+              pytest.mark.usefixtures("two_threads")]  # the kernels' split of rows over threads
 KERNELS = ["auto", "avx2", "portable"]
 
 

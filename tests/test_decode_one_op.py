@@ -22,6 +22,9 @@ from hf_moe.generation import decode_compile_config
 from conftest import random_ids, tiny_dense
 
 
+pytestmark = pytest.mark.usefixtures("two_threads")  # the step's split of a layer's rows over threads
+
+
 @pytest.fixture(autouse=True)
 def _kernels():
     """The one-op step runs fp32 and bf16 experts where their compiled kernel runs in eager mode too: on a CPU with
