@@ -32,10 +32,10 @@ KERNEL_SETS = ["auto", "avx2", "portable"]
 
 def _cpu_has_avx2_fma() -> bool:
     try:
-        flags = set(open("/proc/cpuinfo").read().split())
+        with open("/proc/cpuinfo") as f:
+            return {"avx2", "fma"} <= set(f.read().split())
     except OSError:
         return False
-    return {"avx2", "fma"} <= flags
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,8 @@ def _subset(cases, kernels):
     "n,k,e,mode,hidden,inter,glu,bias,kernels",
     [(*case, glu, bias, "auto") for case in CASES for glu, bias in [(True, False), (False, True), (True, True)]]
     + [case for kernels in ("avx2", "portable") for case in _subset(
-        [(*CASES[0], True, False), (*CASES[2], True, True), (*CASES[3], False, True), (*CASES[6], True, True)], kernels)],
+        [(*CASES[0], True, False), (*CASES[2], True, True), (*CASES[3], False, True), (*CASES[6], True, True)],
+        kernels)],
 )
 def test_infer_matches_reference(n, k, e, mode, hidden, inter, glu, bias, kind, x_dtype, kernels, compiled):
     """moe_experts_infer equals the reference computation on the values it multiplies: for int8 weights, that is
