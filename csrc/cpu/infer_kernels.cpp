@@ -448,6 +448,8 @@ const Kernels* const kAvx2 = &kAvx2Table;
 const Kernels* const kAvx2 = nullptr;
 #endif
 
+// Whether `name` picks the AVX2 set where AVX-512 is not picked: "auto" or "avx2" on a CPU with AVX2 and FMA (the
+// name "avx2" is an error on a CPU without them).
 bool avx2_kernels(const std::string& name) {
 #ifdef HF_MOE_HAS_AVX2_KERNELS
   static const bool avx2 = cpu_has_avx2_fma();
@@ -472,8 +474,7 @@ bool avx512_kernels(const std::string& name) {
 }
 
 const Kernels& infer_kernels(const std::string& name) {
-  if (avx512_kernels(name)) return pick_kernels(name, kPortable, kAvx512);
-  return avx2_kernels(name) && kAvx2 != nullptr ? *kAvx2 : kPortable;
+  return pick_kernels(name, avx2_kernels(name) && kAvx2 != nullptr ? *kAvx2 : kPortable, kAvx512);
 }
 
 }  // namespace infer

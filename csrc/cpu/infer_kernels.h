@@ -65,11 +65,11 @@ const Kernels& infer_kernels(const std::string& name = "auto");
 bool avx512_kernels(const std::string& name);
 
 // The table of a kernel set (Kernels here, AttentionKernels in decode_kernels.h) that `name` picks: `avx512` where
-// avx512_kernels(name) says so, else `portable`. `avx512` is null in a build without the AVX-512 kernels, where
-// avx512_kernels is never true.
+// avx512_kernels(name) says so, else `fallback` (the portable table, or the AVX2 one where `name` picks it).
+// `avx512` is null in a build without the AVX-512 kernels, where avx512_kernels is never true.
 template <class Table>
-const Table& pick_kernels(const std::string& name, const Table& portable, const Table* avx512) {
-  return avx512_kernels(name) && avx512 != nullptr ? *avx512 : portable;
+const Table& pick_kernels(const std::string& name, const Table& fallback, const Table* avx512) {
+  return avx512_kernels(name) && avx512 != nullptr ? *avx512 : fallback;
 }
 
 }  // namespace infer

@@ -99,7 +99,7 @@ HF_AVX2 void store_tile(const __m256 (&acc)[NJ][2], int64_t m0, int64_t rows, in
 }
 
 template <int NJ>
-HF_AVX2 void gemm_tile_f32(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t m0, int64_t rows,
+HF_AVX2 void gemm_tile(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t m0, int64_t rows,
                            int64_t k, int j0, float* out, int64_t ldo) {
   __m256 acc[NJ][2];
   for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
@@ -118,7 +118,7 @@ HF_AVX2 void gemm_tile_f32(const float* w, int64_t ldw, const float* packed, int
 // bf16 activations are packed in pairs of inputs (infer_kernels.h): eight 32-bit lanes hold inputs c and c + 1 of
 // eight rows, c's bits in the low half and c + 1's in the high half, so a shift and a mask give both as fp32.
 template <int NJ>
-HF_AVX2 void gemm_tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t m0,
+HF_AVX2 void gemm_tile(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t m0,
                             int64_t rows, int64_t k, int j0, float* out, int64_t ldo) {
   __m256 acc[NJ][2];
   for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
@@ -142,21 +142,18 @@ HF_AVX2 void gemm_tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* pack
   store_tile<NJ>(acc, m0, rows, j0, out, ldo);
 }
 
-// Every 16 activation rows against every four weight rows (the last tile with the weight rows left).
-template <typename T, void (*Tile1)(const T*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int, float*,
-                                    int64_t),
-          void (*Tile2)(const T*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int, float*, int64_t),
-          void (*Tile3)(const T*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int, float*, int64_t),
-          void (*Tile4)(const T*, int64_t, const T*, int64_t, int64_t, int64_t, int64_t, int, float*, int64_t)>
+// Every 16 activation rows against every four weight rows (the last tile with the weight rows left), fp32 or bf16
+// by the overload of gemm_tile that T picks.
+template <typename T>
 HF_AVX2 void gemm_all(const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
                       float* out, int64_t ldo) {
   for (int64_t m0 = 0; m0 < rows; m0 += 16)
     for (int j0 = 0; j0 < cols; j0 += 4) {
       switch (std::min(4, cols - j0)) {
-        case 1: Tile1(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        case 2: Tile2(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        case 3: Tile3(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        default: Tile4(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
+        case 1: gemm_tile<1>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
+        case 2: gemm_tile<2>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
+        case 3: gemm_tile<3>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
+        default: gemm_tile<4>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
       }
     }
 }
@@ -195,14 +192,12 @@ HF_AVX2 void dot_q8_avx2(const float* x, int64_t ldx, int64_t rows, const int8_t
 
 HF_AVX2 void gemm_f32_avx2(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
                            int64_t k, float* out, int64_t ldo) {
-  gemm_all<float, gemm_tile_f32<1>, gemm_tile_f32<2>, gemm_tile_f32<3>, gemm_tile_f32<4>>(w, ldw, cols, packed, ld,
-                                                                                          rows, k, out, ldo);
+  gemm_all(w, ldw, cols, packed, ld, rows, k, out, ldo);
 }
 
 HF_AVX2 void gemm_bf16_avx2(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld,
                             int64_t rows, int64_t k, float* out, int64_t ldo) {
-  gemm_all<uint16_t, gemm_tile_bf16<1>, gemm_tile_bf16<2>, gemm_tile_bf16<3>, gemm_tile_bf16<4>>(
-      w, ldw, cols, packed, ld, rows, k, out, ldo);
+  gemm_all(w, ldw, cols, packed, ld, rows, k, out, ldo);
 }
 
 }  // namespace infer
