@@ -23,7 +23,9 @@ Python blocks run as a script with this interpreter, bash blocks with `bash -euo
 `hf-moe` of this environment first on PATH, the repository on PYTHONPATH, and the hub offline. A python block runs
 in a process forked from a server that has already imported hf_moe (tests/readme_zygote.py: the same script, cwd,
 environment and exit status, without the seconds of imports), unless `forkable` says it needs a fresh interpreter
-or the server cannot fork safely; HF_MOE_README_FRESH=1 runs every block fresh. HF_MOE_README=FILE runs another
+or the server cannot fork safely. A bash block's `hf-moe ...`, `python -m MODULE ...` and `python SCRIPT ...`
+commands run there too, through stand-ins first on its PATH (tests/readme_zygote.py says when they do not);
+HF_MOE_README_FRESH=1 runs every block and command fresh. HF_MOE_README=FILE runs another
 markdown file instead of README.md and docs/ (to test this harness).
 """
 
@@ -37,7 +39,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_dense, tiny_tokenizer
-from readme_zygote import Zygote, ZygoteRefused
+from readme_zygote import Zygote, ZygoteRefused, needs_fresh
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -244,15 +245,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-# What a block does before its own imports cannot reach modules the server imported before it: a block that sets the
-# environment (read at import: threads, offline switches, logging) runs fresh, and so does one that starts processes
-# that rendezvous with or re-import their parent (multiprocessing, torch.distributed).
-_NEEDS_FRESH = re.compile(r"\bos\.(environ|putenv|unsetenv)\b|\bmultiprocessing\b|\btorch\.distributed\b|\bos\.fork\b")
-
-
 def forkable(block: Block) -> bool:
     """Whether `block` may run in a process forked from the server (else in a fresh interpreter)."""
-    return block.lang == "python" and not _NEEDS_FRESH.search(block.code) and not os.environ.get("HF_MOE_README_FRESH")
+    return block.lang == "python" and not needs_fresh(block.code) and not os.environ.get("HF_MOE_README_FRESH")
 
 
 def zygote_imports(blocks: list[Block]) -> list[str]:
@@ -268,10 +263,11 @@ def zygote_imports(blocks: list[Block]) -> list[str]:
     return list(dict.fromkeys(statements))
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = TIMEOUT_S) -> tuple[int | None, str]:
+def _run(cmd: list[str], cwd: Path, timeout: float = TIMEOUT_S, env: dict[str, str] | None = None
+         ) -> tuple[int | None, str]:
     """(exit status, or None on timeout; stdout and stderr interleaved). The whole process group is killed on
     timeout, so the children of a bash block go too."""
-    process = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -297,7 +293,26 @@ def _final_lines(output: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def readme_fixtures(tmp_path_factory) -> Path:
+def readme_zygote(tmp_path_factory):
+    """The fork server of this test process (one per xdist worker), started on first use. It runs the python blocks
+    and the `hf-moe` and `python` commands of the bash blocks (`bash_env`)."""
+    imports = zygote_imports([block for document in DOCUMENTS for block in _blocks(document)[0]])
+    folder = tmp_path_factory.mktemp("readme-zygote")
+    (folder / "bin").mkdir()
+    server = Zygote(imports, _env(), str(folder / "server.log"), commands=str(folder / "bin"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def bash_env(readme_zygote) -> dict[str, str]:
+    """The environment of the bash blocks: `hf-moe` and `python` run in children of the fork server where they can
+    (tests/readme_zygote.py says when), unless HF_MOE_README_FRESH is set."""
+    return _env() if os.environ.get("HF_MOE_README_FRESH") else readme_zygote.command_env(_env())
+
+
+@pytest.fixture(scope="session")
+def readme_fixtures(tmp_path_factory, bash_env) -> Path:
     """The files README.md refers to, built once: dense-model, moe-model, data.jsonl, text.jsonl, text.txt."""
     root = tmp_path_factory.mktemp("readme-fixtures")
     tiny_dense("llama").save_pretrained(root / "dense-model")
@@ -305,19 +320,10 @@ def readme_fixtures(tmp_path_factory) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(root / "dense-model")
     cmd = ["hf-moe", "convert", "dense-model", "moe-model", "--num-experts", "4", "--top-k", "2"]
-    status, output = _run(cmd, root)
+    status, output = _run(cmd, root, env=bash_env)
     assert status == 0, f"building the README fixtures: {' '.join(cmd)} exited with {status}:\n{output}"
     _write_data(root)
     return root
-
-
-@pytest.fixture(scope="session")
-def readme_zygote(tmp_path_factory):
-    """The fork server of this test process (one per xdist worker), started on first use."""
-    imports = zygote_imports([block for document in DOCUMENTS for block in _blocks(document)[0]])
-    server = Zygote(imports, _env(), str(tmp_path_factory.mktemp("readme-zygote") / "server.log"))
-    yield server
-    server.close()
 
 
 def _run_forked(zygote: Zygote, script: Path, cwd: Path) -> tuple[int | None, str]:
@@ -378,7 +384,8 @@ def test_readme_block(document: Path, block: Block, block_dir: Path, request):
             forked = _run_forked(request.getfixturevalue("readme_zygote"), script, block_dir)
         except ZygoteRefused as why:  # a server that cannot fork costs every block its imports again: say so
             warnings.warn(f"{_name(document)} line {block.line} ran in a fresh interpreter: {why}")
-    status, output = forked if forked is not None else _run(cmd, block_dir)
+    env = request.getfixturevalue("bash_env") if block.lang == "bash" else None
+    status, output = forked if forked is not None else _run(cmd, block_dir, env=env)
     if status == 0:
         return
     what = f"timed out after {TIMEOUT_S} s" if status is None else f"failed with exit status {status}"
@@ -487,80 +494,3 @@ def test_parse_blocks_skip_reaches_the_block():
         document, block = param.values
         assert param.id == f"{_name(document)}:{block.id}"
         assert any(m.name == ("skip" if block.skip else "slow") for m in param.marks)
-
-
-# ------------------------------------------------------------------------------------------------- the fork server
-_SCRIPTS = {
-    "facts": "import os, sys\nprint(sys.argv, os.getcwd(), sys.path[0], __name__, os.environ.get('HF_HUB_OFFLINE'))\n"
-             "print('to stderr', file=sys.stderr)\n",
-    "exit_3": "import sys\nsys.exit(3)\n",
-    "exit_message": "import sys\nsys.exit('a message')\n",
-    "raises": "raise ValueError('the last line')\n",
-    "at_exit": "import atexit, threading, time\natexit.register(print, 'atexit ran')\n"
-               "threading.Thread(target=lambda: (time.sleep(0.2), print('thread joined'))).start()\n",
-}
-
-
-@pytest.fixture(scope="module")
-def light_zygote(tmp_path_factory):
-    server = Zygote(["import json"], _env(), str(tmp_path_factory.mktemp("light-zygote") / "server.log"))
-    yield server
-    server.close()
-
-
-@pytest.mark.subprocess
-@pytest.mark.parametrize("name", sorted(_SCRIPTS))
-def test_a_forked_block_runs_as_a_fresh_interpreter_runs_it(name, light_zygote, tmp_path):
-    """Same exit status, same output (stdout and stderr in one), same argv, cwd, sys.path[0], __name__, environment;
-    an exception's traceback ends the same way."""
-    script, cwd = tmp_path / f"{name}.py", tmp_path / "work"
-    script.write_text(_SCRIPTS[name])
-    cwd.mkdir()
-    fresh = _run([sys.executable, str(script)], cwd)
-    forked = _run_forked(light_zygote, script, cwd)
-    if name == "raises":
-        assert fresh[0] == forked[0] == 1 and fresh[1].splitlines()[-2:] == forked[1].splitlines()[-2:]
-    else:
-        assert forked == fresh and fresh[0] == {"exit_3": 3, "exit_message": 1}.get(name, 0)
-
-
-@pytest.mark.subprocess
-def test_a_forked_block_that_runs_too_long_is_killed_with_its_children(light_zygote, tmp_path):
-    script = tmp_path / "sleeps.py"
-    script.write_text("import subprocess, sys\nprint(subprocess.Popen(['sleep', '60']).pid, flush=True)\n"
-                      "subprocess.run(['sleep', '60'])\n")
-    status = light_zygote.run(str(script), str(tmp_path), _env(), str(tmp_path / "out"), timeout=2)
-    assert status is None
-    grandchild = int((tmp_path / "out").read_text().split()[0])
-    with pytest.raises(ProcessLookupError):  # gone with its session (a zombie of init at most, for a moment)
-        for _ in range(50):
-            os.kill(grandchild, 0)
-            time.sleep(0.1)
-    (tmp_path / "ok.py").write_text("print('the server serves on')\n")
-    assert light_zygote.run(str(tmp_path / "ok.py"), str(tmp_path), _env(), str(tmp_path / "out"), 60) == 0
-
-
-@pytest.mark.subprocess
-def test_the_server_refuses_to_fork_beside_a_thread(tmp_path):
-    """A thread the imports started would be missing in the child (and could hold a lock there): the block runs
-    fresh instead."""
-    start = "import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start()"
-    server = Zygote([start], _env(), str(tmp_path / "server.log"))
-    try:
-        (tmp_path / "ok.py").write_text("print('hi')\n")
-        with pytest.raises(ZygoteRefused, match="2 Python threads"):
-            server.run(str(tmp_path / "ok.py"), str(tmp_path), _env(), str(tmp_path / "out"), 60)
-    finally:
-        server.close()
-
-
-def test_which_blocks_fork_and_what_the_server_imports():
-    plain = Block(1, "python", "import torch\nfrom transformers import AutoConfig as C\nx = 1\nimport json\n")
-    sets_env = Block(1, "python", "import os\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n")
-    assert forkable(plain) and not forkable(sets_env) and not forkable(Block(1, "bash", "python x.py\n"))
-    assert not forkable(Block(1, "python", "import torch.distributed as dist\ndist.init_process_group('gloo')\n"))
-    skipped = Block(1, "python", "import vllm\n", skip="needs a GPU")
-    broken = Block(1, "python", "import (\n")
-    assert zygote_imports([plain, sets_env, skipped, broken, plain]) == [
-        "import hf_moe", "import torch", "from transformers import AutoConfig as C", "import json",
-    ]
