@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -77,6 +78,43 @@ def pytest_configure(config):
         torch.set_num_threads(WORKER_THREADS)
         # The processes tests start (CLIs, README blocks, launchers) share the worker's cores too.
         os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Order: the files that take longest first
+# --------------------------------------------------------------------------------------------------------------------
+DURATIONS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "test_durations.txt"
+_FILE_LINE = re.compile(r"^\s*([0-9.]+)\s+[0-9]+\s+(tests/\S+\.py)\s*$")
+
+
+def file_seconds(table: Path = DURATIONS) -> dict[str, float]:
+    """{"tests/test_x.py": seconds} from the "by file" section of the committed durations table ({} without it)."""
+    try:
+        lines = table.read_text().splitlines()
+    except OSError:
+        return {}
+    return {found[2]: float(found[1]) for found in map(_FILE_LINE.match, lines) if found}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files run longest first (by the committed table), each file's tests kept together and in order. pytest-xdist's
+    workers take the rest of each other's queues when theirs run out (worksteal): with the long files first, what is
+    left at the end to share is short, and no worker idles while the other runs one long test (every worker sorts
+    the same collection the same way, as xdist requires)."""
+    seconds = file_seconds()
+    root = Path(str(config.rootpath))
+    first_seen: dict[Path, int] = {}
+    for item in items:
+        first_seen.setdefault(item.path, len(first_seen))
+
+    def key(item) -> tuple[float, int]:
+        try:
+            name = item.path.relative_to(root).as_posix()
+        except ValueError:
+            name = item.path.name
+        return -seconds.get(name, 0.0), first_seen[item.path]
+
+    items.sort(key=key)
 
 
 @pytest.fixture(autouse=True)
