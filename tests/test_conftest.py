@@ -1,13 +1,13 @@
-"""tests/conftest.py: the tiny MoE checkpoint is read-only, a change to it is caught, and the longest files run first."""
+"""tests/conftest.py: the tiny MoE checkpoint is read-only, a change to it is caught, and each worker starts with its
+share of the long files."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import stat
 
 import pytest
-from conftest import DURATIONS, _fingerprint, changes, copy_checkpoint, file_seconds
+from conftest import DURATIONS, LONG_FILE_S, _fingerprint, changes, copy_checkpoint, file_seconds, worker_queues
 
 from hf_moe import MoEForCausalLM
 
@@ -33,16 +33,23 @@ def test_a_change_to_a_checkpoint_is_named_and_a_copy_is_writable(tiny_moe, tmp_
     assert model.config.num_experts == 4
 
 
-def test_the_files_that_take_longest_run_first_each_kept_together(pytestconfig, request):
-    """The suite's own collection, as conftest orders it: files by the committed table's seconds, longest first; a
-    file's tests together and in the order they are written."""
-    seconds = file_seconds()
-    assert len(seconds) > 40 and seconds == file_seconds(DURATIONS)
-    order = [item.path.relative_to(pytestconfig.rootpath).as_posix() for item in request.session.items]
-    files = list(dict.fromkeys(order))
-    assert len(files) == len([name for name, _ in itertools.groupby(order)]), "a file's tests are split"
-    times = [seconds.get(f, 0.0) for f in files]
-    assert times == sorted(times, reverse=True), list(zip(files, times))
+def test_each_workers_share_starts_with_its_long_files():
+    """Two workers: the runs have the sizes work stealing first gives them, the long files (>= LONG_FILE_S) are shared
+    longest first to the run with the fewest seconds and lead it, each kept whole, and the short ones follow in
+    collection order; every test is placed once."""
+    files = {f"tests/test_{n}.py": [f"{n}{k}" for k in range(count)]
+             for n, count in [("a", 3), ("long1", 2), ("b", 5), ("long2", 1), ("long3", 2), ("c", 4)]}
+    seconds = {"tests/test_long1.py": 100.0, "tests/test_long2.py": 60.0, "tests/test_long3.py": 50.0,
+               "tests/test_a.py": 5.0, "tests/test_b.py": LONG_FILE_S - 1}
+    runs = worker_queues(files, seconds, 2)
+    assert [len(run) for run in runs] == [8, 9]  # 17 tests: the first worker gets 17 // 2
+    assert runs[0] == ["long10", "long11", "a0", "a1", "a2", "b0", "b1", "b2"]
+    assert runs[1] == ["long20", "long30", "long31", "b3", "b4", "c0", "c1", "c2", "c3"]
+    assert sorted(sum(runs, [])) == sorted(sum(files.values(), []))
+    assert worker_queues(files, seconds, 1) == [["long10", "long11", "long20", "long30", "long31",
+                                                 *files["tests/test_a.py"], *files["tests/test_b.py"],
+                                                 *files["tests/test_c.py"]]]
+    assert len(file_seconds(DURATIONS)) > 40  # the committed table parses
 
 
 def test_the_durations_table_is_read_by_file(tmp_path):
