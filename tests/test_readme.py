@@ -308,7 +308,11 @@ def readme_zygote(tmp_path_factory):
 def bash_env(readme_zygote) -> dict[str, str]:
     """The environment of the bash blocks: `hf-moe` and `python` run in children of the fork server where they can
     (tests/readme_zygote.py says when), unless HF_MOE_README_FRESH is set."""
-    return _env() if os.environ.get("HF_MOE_README_FRESH") else readme_zygote.command_env(_env())
+    if os.environ.get("HF_MOE_README_FRESH"):
+        return _env()
+    if readme_zygote.ready() != "ok":  # every command then costs its imports again: say so, as for python blocks
+        warnings.warn(f"the bash blocks' commands run in fresh interpreters: {readme_zygote.ready()}")
+    return readme_zygote.command_env(_env())
 
 
 @pytest.fixture(scope="session")
