@@ -7,7 +7,15 @@ import os
 import stat
 
 import pytest
-from conftest import DURATIONS, LONG_FILE_S, _fingerprint, changes, copy_checkpoint, file_seconds, worker_queues
+from conftest import (
+    DURATIONS,
+    LONG_FILE_S,
+    _fingerprint,
+    changes,
+    copy_checkpoint,
+    file_seconds,
+    worker_queues,
+)
 
 from hf_moe import MoEForCausalLM
 
@@ -45,7 +53,7 @@ def test_each_workers_share_starts_with_its_long_files():
     assert [len(run) for run in runs] == [8, 9]  # 17 tests: the first worker gets 17 // 2
     assert runs[0] == ["long10", "long11", "a0", "a1", "a2", "b0", "b1", "b2"]
     assert runs[1] == ["long20", "long30", "long31", "b3", "b4", "c0", "c1", "c2", "c3"]
-    assert sorted(sum(runs, [])) == sorted(sum(files.values(), []))
+    assert sorted(test for run in runs for test in run) == sorted(test for tests in files.values() for test in tests)
     assert worker_queues(files, seconds, 1) == [["long10", "long11", "long20", "long30", "long31",
                                                  *files["tests/test_a.py"], *files["tests/test_b.py"],
                                                  *files["tests/test_c.py"]]]
