@@ -68,9 +68,9 @@ _WHERE = ("import json, os, sys\nprint('forked' if 'json' in sys.modules else 'f
           "print('to stderr', file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n")
 _COMMANDS = {  # a bash command: where its stand-in runs it
     "python where.py 3; echo status $?": "forked",
-    "python where.py 0 | head -1": "forked",  # the pipe ends when the command does: the server keeps no end of it
+    "python where.py 0 2>&1 | cat": "forked",  # the pipe ends when the command does: the server keeps no end of it
     "python -m json.tool <<< '{\"a\": 1}'": "forked",  # stdin is the block's
-    "hf-moe --help | head -3": "forked",
+    "hf-moe --help | cat": "forked",
     "FOO=1 python where.py 0": "fresh",  # an environment the server's imports did not see
     "python -c 'import where' 0": "fresh",  # a form the server does not take
     "python fresh.py": "fresh",  # a script that must run fresh
