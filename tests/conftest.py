@@ -96,40 +96,41 @@ def file_seconds(table: Path = DURATIONS) -> dict[str, float]:
     return {found[2]: float(found[1]) for found in map(_FILE_LINE.match, lines) if found}
 
 
-# A file this long by the table is placed on a worker's queue (LPT); the others fill the queues in collection order.
+# A file this long by the table is placed whole in one worker's share; the others fill the shares in collection order.
 LONG_FILE_S = 20.0
 
 
-def worker_queues(files: dict[str, list], seconds: dict[str, float], workers: int) -> list[list]:
-    """Tests ({file: its tests, in collection order}) in `workers` runs of the sizes pytest-xdist's work stealing
-    gives the workers at the start, each run starting with its long files, longest first. The long files go, longest
-    first, to the run with the fewest seconds; the short ones then fill every run to its size, in collection order."""
+def worker_shares(files: dict[str, list], seconds: dict[str, float], workers: int) -> list[list]:
+    """Tests ({file: its tests, in collection order}) in `workers` shares of the sizes pytest-xdist's work stealing
+    gives the workers at the start, each share starting with its long files, longest first. The long files go, longest
+    first, to the share with the fewest seconds; the short ones then fill every share to its size, in collection
+    order."""
     total = sum(len(tests) for tests in files.values())
     sizes, left = [], total
     for k in range(workers):  # as `WorkStealingScheduling.check_schedule` first shares out the pending tests
         sizes.append(left // (workers - k))
         left -= sizes[-1]
-    runs: list[list] = [[] for _ in range(workers)]
+    shares: list[list] = [[] for _ in range(workers)]
     loads = [0.0] * workers
     long = sorted((name for name in files if seconds.get(name, 0.0) >= LONG_FILE_S), key=lambda n: -seconds[n])
     for name in long:
         k = min(range(workers), key=lambda k: loads[k])
-        runs[k].extend(files[name])
+        shares[k].extend(files[name])
         loads[k] += seconds[name]
     short = [test for name, tests in files.items() if name not in long for test in tests]
-    for k, run in enumerate(runs):
-        room = max(sizes[k] - len(run), 0)
-        run.extend(short[:room])
+    for k, share in enumerate(shares):
+        room = max(sizes[k] - len(share), 0)
+        share.extend(short[:room])
         del short[:room]
-    runs[-1].extend(short)
-    return runs
+    shares[-1].extend(short)
+    return shares
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected: the shares are of what runs
 def pytest_collection_modifyitems(config, items):
     """Each worker's share of the tests starts with its share of the long files (by the committed table). pytest-xdist's
-    work stealing gives each worker a contiguous run of the collection, then an idle worker takes half of another's
-    queue from its end: with both runs front-loaded, what is left to share at the end is short, and no worker idles
+    work stealing gives each worker a contiguous share of the collection, then an idle worker takes half of another's
+    queue from its end: with every share front-loaded, what is left to share at the end is short, and no worker idles
     while the other runs a long test. (Every worker sorts the same collection the same way, as xdist requires.)"""
     seconds = file_seconds()
     root = Path(str(config.rootpath))
@@ -141,7 +142,7 @@ def pytest_collection_modifyitems(config, items):
             name = item.path.name
         files.setdefault(name, []).append(item)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
-    items[:] = [item for run in worker_queues(files, seconds, workers) for item in run]
+    items[:] = [item for share in worker_shares(files, seconds, workers) for item in share]
 
 
 @pytest.fixture(autouse=True)

@@ -246,6 +246,7 @@ def serve(imports: list[str], commands: str | None = None) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(os.path.join(commands, "server.sock"))
         listener.listen(8)
+    ours = (reader, writer) if listener is None else (reader, writer, listener)  # what a child closes first
 
     def say(message: dict) -> None:
         writer.write(json.dumps(message) + "\n")
@@ -258,7 +259,7 @@ def serve(imports: list[str], commands: str | None = None) -> None:
         if listener in readable:
             connection, _ = listener.accept()
             with connection:
-                _serve_command(connection, baseline, commands, (reader, writer, listener))
+                _serve_command(connection, baseline, commands, ours)
             continue
         line = reader.readline()
         if not line:
@@ -272,7 +273,7 @@ def serve(imports: list[str], commands: str | None = None) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(request, (reader, writer) if listener is None else (reader, writer, listener))
+            _child(request, ours)
         say({"pid": pid})
         _, status = os.waitpid(pid, 0)
         say({"status": os.waitstatus_to_exitcode(status)})
@@ -297,7 +298,8 @@ class Zygote:
             for name, real in _real_commands(env).items():
                 path = os.path.join(commands, name)
                 with open(path, "w") as file:  # -I -S: the stand-in needs the standard library alone
-                    file.write(f"#!{sys.executable} -IS\nimport sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                    file.write(f"#!{sys.executable} -IS\nimport sys\n"
+                               f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
                                f"from readme_zygote import stand_in\nstand_in({name!r}, {real!r})\n")
                 os.chmod(path, 0o755)
         with open(log, "wb") as err:

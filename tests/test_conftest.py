@@ -14,7 +14,7 @@ from conftest import (
     changes,
     copy_checkpoint,
     file_seconds,
-    worker_queues,
+    worker_shares,
 )
 
 from hf_moe import MoEForCausalLM
@@ -42,19 +42,20 @@ def test_a_change_to_a_checkpoint_is_named_and_a_copy_is_writable(tiny_moe, tmp_
 
 
 def test_each_workers_share_starts_with_its_long_files():
-    """Two workers: the runs have the sizes work stealing first gives them, the long files (>= LONG_FILE_S) are shared
-    longest first to the run with the fewest seconds and lead it, each kept whole, and the short ones follow in
+    """Two workers: the shares have the sizes work stealing first gives them, the long files (>= LONG_FILE_S) are shared
+    longest first to the share with the fewest seconds and lead it, each kept whole, and the short ones follow in
     collection order; every test is placed once."""
     files = {f"tests/test_{n}.py": [f"{n}{k}" for k in range(count)]
              for n, count in [("a", 3), ("long1", 2), ("b", 5), ("long2", 1), ("long3", 2), ("c", 4)]}
     seconds = {"tests/test_long1.py": 100.0, "tests/test_long2.py": 60.0, "tests/test_long3.py": 50.0,
                "tests/test_a.py": 5.0, "tests/test_b.py": LONG_FILE_S - 1}
-    runs = worker_queues(files, seconds, 2)
-    assert [len(run) for run in runs] == [8, 9]  # 17 tests: the first worker gets 17 // 2
-    assert runs[0] == ["long10", "long11", "a0", "a1", "a2", "b0", "b1", "b2"]
-    assert runs[1] == ["long20", "long30", "long31", "b3", "b4", "c0", "c1", "c2", "c3"]
-    assert sorted(test for run in runs for test in run) == sorted(test for tests in files.values() for test in tests)
-    assert worker_queues(files, seconds, 1) == [["long10", "long11", "long20", "long30", "long31",
+    shares = worker_shares(files, seconds, 2)
+    assert [len(share) for share in shares] == [8, 9]  # 17 tests: the first worker gets 17 // 2
+    assert shares[0] == ["long10", "long11", "a0", "a1", "a2", "b0", "b1", "b2"]
+    assert shares[1] == ["long20", "long30", "long31", "b3", "b4", "c0", "c1", "c2", "c3"]
+    placed = sorted(test for share in shares for test in share)
+    assert placed == sorted(test for tests in files.values() for test in tests)
+    assert worker_shares(files, seconds, 1) == [["long10", "long11", "long20", "long30", "long31",
                                                  *files["tests/test_a.py"], *files["tests/test_b.py"],
                                                  *files["tests/test_c.py"]]]
     assert len(file_seconds(DURATIONS)) > 40  # the committed table parses

@@ -64,7 +64,8 @@ def test_a_forked_block_that_runs_too_long_is_killed_with_its_children(light_zyg
 
 
 # A script that says where it runs: a child of the light server has imported json, a fresh interpreter has not.
-_WHERE = ("import json, os, sys\nprint('forked' if 'json' in sys.modules else 'fresh', sys.argv, sys.path[0], os.getcwd())\n"
+_WHERE = ("import json, os, sys\n"
+          "print('forked' if 'json' in sys.modules else 'fresh', sys.argv, sys.path[0], os.getcwd())\n"
           "print('to stderr', file=sys.stderr)\nsys.exit(int(sys.argv[1]))\n")
 _COMMANDS = {  # a bash command: where its stand-in runs it
     "python where.py 3; echo status $?": "forked",
