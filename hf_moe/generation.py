@@ -2,7 +2,7 @@
 with `torch.compile`, on CPU too.
 
 `generate`'s plain call (no cache or compile arguments) gets hf_moe's one-op step where it serves the model
-(`prepare_generate_kwargs`, `hf_moe.decode.choose_decode`): a static cache and `decode_compile_config(compile=False)`.
+(`prepare_generate_kwargs`, `hf_moe.decode.choose_decode`): a static cache and the step's own loop (`one_op_sample`).
 Elsewhere it stays eager, and a static cache is the switch to a compiled step:
 
 transformers' `generate` compiles its decode step by itself when the KV cache is static
@@ -44,6 +44,7 @@ from transformers import CompileConfig, GenerationConfig
 from .compat import CACHE_NAME, compile_on_every_device, pad_token_tensor, static_cache_layers
 from .decode import ONE_OP, choose_decode, say
 from .decode_one_op import plan_for
+from .huge_pages import back_with_huge_pages
 from .memory import SKIP_VARIABLE, format_bytes, free_memory, size_check_skipped
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
@@ -271,10 +272,13 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
     arguments (the prompt may be one), read only.
 
     - The plain call (the caller chose nothing about how to decode: `_plain_batch`), where hf_moe's one-op step serves
-      the model (`hf_moe.decode.choose_decode`): a static cache and `decode_compile_config(compile=False)`, so each
-      decode token is one call of the model's plan and nothing is compiled. Elsewhere the plain call passes through
-      unchanged (eager, nothing compiled either); the engine and the reason are logged once per model (INFO,
-      logger "hf_moe").
+      the model (`hf_moe.decode.choose_decode`): a static cache and the one-op step's own loop
+      (`custom_generate=one_op_sample`), so each decode token is one call of the model's plan, nothing is compiled,
+      and nothing of transformers' loop runs between two steps (its mask and input preparation, the forward's
+      dispatch: their share of a step is measured in docs/serving-cpu.md). Where that loop does not serve
+      the call (`_one_op_loop_serves`), the same plan runs inside transformers' loop
+      (`decode_compile_config(compile=False)`). Elsewhere the plain call passes through unchanged (eager, nothing
+      compiled either); the engine and the reason are logged once per model (INFO, logger "hf_moe").
     - A static cache asked for (`cache_implementation="static"`, as a keyword, in the `generation_config` passed, or
       in the model's): a `compile_config` that compiles on CPU too, unless the caller gave one.
     - Either way, a `max_cache_len` of the call's need rounded up to a power of two (`cache_length`; the need itself
@@ -294,6 +298,8 @@ def prepare_generate_kwargs(model, args: tuple, kwargs: dict) -> dict:
         planned = _one_op_planned(model, args, kwargs, batch)
         if planned is None:
             return kwargs
+        if _one_op_loop_serves(model, planned):
+            return _with_one_op_loop(planned)
         kwargs = dict(planned, cache_implementation=STATIC, compile_config=decode_compile_config(compile=False))
     else:
         kwargs = dict(kwargs)
@@ -318,9 +324,10 @@ def _one_op_planned(model, args: tuple, kwargs: dict, batch) -> dict | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# transformers' own models (Mixtral, Qwen2-MoE, Qwen3-MoE on experts_implementation="hf_moe"): their `generate` is
-# transformers', which hf_moe does not replace; its public hook for a decoding loop, `custom_generate`, runs the one-op
-# step's loop below after transformers' own input preparation.
+# The one-op step's loop, through transformers' public hook for a decoding loop (`custom_generate`), after
+# transformers' own input preparation: an hf_moe model's plain call gets it from `prepare_generate_kwargs`;
+# transformers' own models (Mixtral, Qwen2-MoE, Qwen3-MoE on experts_implementation="hf_moe"), whose `generate`
+# hf_moe does not replace, from `hf_moe.generate`.
 # ---------------------------------------------------------------------------------------------------------------
 
 def generate(model, *args, **kwargs):
@@ -341,12 +348,22 @@ def one_op_kwargs(model, args: tuple, kwargs: dict) -> dict:
     """`generate`'s keyword arguments for transformers' own model `model` with the one-op step's loop
     (`one_op_sample`) and its static cache, where the plain call may have them (`generate`); else `kwargs`."""
     batch = _plain_batch(model, args, kwargs)
-    if (batch is None or not _compiles(model) or _setting(model, kwargs, "prefill_chunk_size") is not None
-            or kwargs.get("synced_gpus")):
+    if batch is None or not _compiles(model) or not _one_op_loop_serves(model, kwargs):
         return kwargs
     planned = _one_op_planned(model, args, kwargs, batch)
-    if planned is None:
-        return kwargs
+    return kwargs if planned is None else _with_one_op_loop(planned)
+
+
+def _one_op_loop_serves(model, kwargs: dict) -> bool:
+    """Whether `one_op_sample` can run a call the one-op step serves: it prefills in one forward (no
+    `prefill_chunk_size`), and ranks that keep stepping together (`synced_gpus`, expert parallelism) need
+    transformers' loop."""
+    return (_setting(model, kwargs, "prefill_chunk_size") is None and not kwargs.get("synced_gpus")
+            and getattr(model, "expert_parallel_plan", None) is None)
+
+
+def _with_one_op_loop(planned: dict) -> dict:
+    """`planned` (a copy of generate's keyword arguments) with the one-op step's loop and its static cache."""
     planned.update(cache_implementation=STATIC, custom_generate=one_op_sample)
     if planned.get("streamer") is not None:  # transformers keeps `streamer` from a custom loop: it goes by this name
         planned["one_op_streamer"] = planned["streamer"]
@@ -383,6 +400,9 @@ def one_op_sample(model, input_ids: torch.Tensor, logits_processor, stopping_cri
         raise ValueError("The one-op decode step needs transformers' static cache: pass cache_implementation="
                          "\"static\" (hf_moe.generate(model, ...) does).")
     plan = plan_for(model)
+    # The step streams every weight once per token: asked onto huge pages (hf_moe.huge_pages; the first call on
+    # these weights has the kernel copy them there, later calls find that done)
+    back_with_huge_pages([*model.parameters(), *model.buffers()])
     batch, length = input_ids.shape[0], layers[0][0].shape[2]
     attention, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     mask = None  # [B, L] bool: the cache positions each row attends to (None: every one written, no padding)

@@ -24,7 +24,7 @@ import hf_moe
 from hf_moe.compat import CACHE_NAME, static_cache_layers
 from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
-from hf_moe.generation import decode_compile_config, prepare_generate_kwargs
+from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
 
 from conftest import random_ids, tiny_dense, tiny_tokenizer
 
@@ -111,6 +111,43 @@ def test_shared_experts_and_dense_layers_run_in_the_plan_with_the_eager_tokens_a
     assert_same(eager, fast, dtype)
 
 
+def test_the_plain_call_runs_the_steps_own_loop_or_the_plan_in_transformers_loop_where_it_must(plans, monkeypatch):
+    """The plain call decodes in the one-op step's own loop (`one_op_sample`): transformers' loop and its compiled
+    call (the DecodeStep) are not used, each token after the prompt's is one call of the plan, a streamer gets the
+    prompt, each new token and the end, and the weights are asked onto huge pages. Where that loop cannot run the
+    call (`prefill_chunk_size`: it prefills in one forward), the same plan runs inside transformers' loop, through the
+    DecodeStep. Both give the eager tokens."""
+    import hf_moe.generation
+    from transformers.generation.streamers import BaseStreamer
+
+    class Streamer(BaseStreamer):
+        def __init__(self):
+            self.values, self.ended = [], False
+
+        def put(self, value):
+            self.values.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    asked = []
+    monkeypatch.setattr(hf_moe.generation, "back_with_huge_pages", lambda tensors: asked.append(list(tensors)) or 0)
+    moe = model_with("int8")
+    ids = random_ids(1, 9, seed=8)
+    eager = greedy(moe, ids, 6, **EAGER)
+    streamer = Streamer()
+    fast = greedy(moe, ids, 6, streamer=streamer)
+    assert torch.equal(fast.sequences, eager.sequences)
+    assert len(plans) == 1 and plans[0].calls == 5 and "_hf_moe_decode_steps" not in moe.__dict__
+    assert len(asked) == 1 and {id(p) for p in moe.parameters()} <= {id(t) for t in asked[0]}
+    assert torch.equal(torch.cat([v.reshape(1, -1) for v in streamer.values], dim=1), eager.sequences)
+    assert streamer.ended
+
+    chunked = greedy(moe, ids, 6, prefill_chunk_size=4)  # chunks of 4, 4 and 1 token(s): the last is a plan call
+    assert torch.equal(chunked.sequences, eager.sequences)
+    assert len(plans) == 1 and plans[0].calls == 5 + 6 and moe._hf_moe_decode_steps[0][1].choice is None
+
+
 def test_pipeline_and_the_cli_run_the_one_op_step_by_default(plans, tmp_path, capsys):
     from hf_moe.cli import main
 
@@ -134,7 +171,7 @@ def test_an_explicit_choice_is_obeyed(plans):
     moe = model_with("int8")
     ids = random_ids(1, 8, seed=3)
     prepare = lambda **kw: prepare_generate_kwargs(moe, (ids,), kw)  # noqa: E731
-    assert prepare()["compile_config"] == decode_compile_config(compile=False)  # the plain call: the one-op step
+    assert prepare()["custom_generate"] is one_op_sample  # the plain call: the one-op step's loop
     for choice in (EAGER, {"disable_compile": True}, {"past_key_values": DynamicCache()}, {"num_beams": 2},
                    {"output_hidden_states": True}, {"use_cache": False}):
         assert prepare(**choice) == choice, choice
