@@ -185,8 +185,18 @@ at::Tensor linear_infer_cpu(const at::Tensor& x, const at::Tensor& weight, const
               " but the weight is ", w.dtype, " (they must match, or the weight be int8)");
   const int64_t n = x.size(0);
   if (n > kMaxDecodeRows) {  // many rows: ATen's GEMM, after dequantizing an int8 weight (the reference's numbers)
-    const at::Tensor wf = w.dtype == at::kChar ? dequantized(weight, *scale, x.scalar_type()) : weight;
-    return at::linear(x, wf, bias.has_value() ? c10::optional<at::Tensor>(bias->to(x.scalar_type())) : c10::nullopt);
+    const at::ScalarType t = x.scalar_type();
+    const at::Tensor wt = w.dtype == at::kChar ? dequantized(weight, *scale, t) : weight;
+    const c10::optional<at::Tensor> bt = bias.has_value() ? c10::optional<at::Tensor>(bias->to(t)) : c10::nullopt;
+    if (t == at::kBFloat16 && !infer::avx512_kernels(std::string(kernels))) {
+      // Without bf16 instructions ATen's bf16 GEMM runs at a tenth of its fp32 one (docs/serving-cpu.md, "CPUs
+      // without AVX-512"): the same bf16 values, exact in fp32, multiplied in fp32 and rounded to bf16 once, as a
+      // bf16 GEMM accumulates in fp32 and rounds its result.
+      const c10::optional<at::Tensor> b32 =
+          bt.has_value() ? c10::optional<at::Tensor>(bt->to(at::kFloat)) : c10::nullopt;
+      return at::linear(x.to(at::kFloat), wt.to(at::kFloat), b32).to(t);
+    }
+    return at::linear(x, wt, bt);
   }
   auto out = at::empty({n, w.out}, x.options());
   if (n == 0) return out;

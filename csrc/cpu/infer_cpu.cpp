@@ -9,7 +9,8 @@
 // (vdpbf16ps); int8 weights are dequantized (q * scale, fp32) without the dequantized matrix ever reaching memory:
 // for an expert's few rows (decoding) in registers, multiplied in fp32 (bf16 activations are exact in fp32); for
 // many rows (prefill) a few weight rows at a time into L1, in the activations' precision (fp32, or rounded to bf16
-// for bf16 activations, then vdpbf16ps). Either way the result is dequantize-then-matmul. Scales are fp32, one per
+// for bf16 activations, then vdpbf16ps; in fp32 where the CPU has no bf16 instructions: `run`'s caller). Either way
+// the result is dequantize-then-matmul. Scales are fp32, one per
 // output row ([E, out]) or per group of `K / G` inputs ([E, out, G]).
 //
 // Work is split by output columns, never by expert, so every thread streams its share of every active expert's
@@ -428,7 +429,14 @@ void moe_experts_infer_into(const at::Tensor& x, const int64_t* id, const float*
     return;
   }
   const auto wt = w1.dtype;
-  const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16);
+  // int8 weights and bf16 activations compute in bf16 (vdpbf16ps), except for a prefill on a CPU without bf16
+  // instructions, where the fp32 GEMM tile runs faster than the bf16 one's widening of every pair (docs/serving-cpu.md,
+  // "CPUs without AVX-512"): its weights are then dequantized in fp32, not rounded to bf16.
+  int64_t largest = 0;
+  for (int64_t e = 0; e < num_experts; ++e) largest = std::max(largest, offsets[e + 1] - offsets[e]);
+  const bool fp32_prefill =
+      wt == at::kChar && largest >= infer::kGemmRows && !infer::avx512_kernels(std::string(kernels));
+  const bool bf16 = wt == at::kBFloat16 || (wt == at::kChar && x.scalar_type() == at::kBFloat16 && !fp32_prefill);
   if (bf16) run<uint16_t>(kn, x, ws, w1, bias1, w2, bias2, act, glu, out);
   else run<float>(kn, x, ws, w1, bias1, w2, bias2, act, glu, out);
 }
