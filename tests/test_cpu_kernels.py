@@ -146,6 +146,23 @@ def test_infer_matches_reference(n, k, e, mode, hidden, inter, glu, bias, kind, 
     _close(out, _oracle(xm, index, weights, d1, b1, d2, b2, "silu", glu, bf16, round_out), bf16 or round_out)
 
 
+@pytest.mark.parametrize("kernels", ["avx2", "portable"])
+def test_a_prefill_of_int8_experts_in_bf16_computes_in_fp32_without_bf16_instructions(kernels, compiled):
+    """Where the CPU has no bf16 instructions (the avx2 and portable kernel sets), an expert's GEMM of bf16
+    activations and int8 weights runs in fp32 (faster there than widening bf16 pairs): the weights dequantized in
+    fp32 and the activations between the two products kept in fp32, so the result is nearer the fp32 computation of
+    the same inputs than the bf16 one (weights and activations rounded to bf16), element by element on average."""
+    index, weights = _routing(70, 2, 3, "one_expert")  # 70 rows on two experts: the GEMM kernels
+    weights = weights.float()
+    x = torch.randn(70, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    w1, b1, w2, b2 = _weights(3, 64, 96, True, False)
+    (q1, s1, q2, s2), (d1, d2) = _prepared("int8", w1, w2, 64, 96)
+    out = torch.ops.hf_moe.moe_experts_infer(x, index, weights, q1, s1, b1, q2, s2, b2, "silu", True, kernels).double()
+    in_fp32 = _oracle(x, index, weights, d1, b1, d2, b2, "silu", True, False, False)
+    in_bf16 = _oracle(x, index, weights, d1.bfloat16(), b1, d2.bfloat16(), b2, "silu", True, True, False)
+    assert (out - in_fp32).abs().mean() < 0.5 * (out - in_bf16).abs().mean()
+
+
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
