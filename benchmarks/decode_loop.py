@@ -67,12 +67,12 @@ def main() -> None:
         raise SystemExit(f"the one-op decode step does not run this model: {choice.reason}")
     vocab = model.config.vocab_size
     prompt = torch.randint(3, min(1000, vocab), (1, 40), generator=torch.Generator().manual_seed(0))
-    common = dict(attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=args.new_tokens,
-                  min_new_tokens=args.new_tokens, pad_token_id=0)
+    common = {"attention_mask": torch.ones_like(prompt), "do_sample": False, "max_new_tokens": args.new_tokens,
+              "min_new_tokens": args.new_tokens, "pad_token_id": 0}
     loops = {
         "own loop (the plain call)": {},
-        "transformers' loop": dict(cache_implementation="static",
-                                   compile_config=decode_compile_config(compile=False)),
+        "transformers' loop": {"cache_implementation": "static",
+                               "compile_config": decode_compile_config(compile=False)},
     }
     steps = {name: [] for name in loops}
     tokens = {}

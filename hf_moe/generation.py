@@ -377,7 +377,8 @@ def one_op_sample(model, input_ids: torch.Tensor, logits_processor, stopping_cri
     `model.generate(..., custom_generate=one_op_sample)` calls it, with each decode token one call of the model's plan
     (hf_moe.decode_one_op): the prompt runs through the model's forward, filling the static cache, then every new
     token through the plan over that cache. Needs `cache_implementation="static"` and a model the one-op step serves
-    (`hf_moe.generate` passes both where they apply; here, anything else is refused with the reason).
+    (`hf_moe.generate` and an hf_moe model's plain call pass both where they apply; here, anything else is refused
+    with the reason).
 
     input_ids [B, T] -> the sequences [B, T + new], or a `GenerateDecoderOnlyOutput` with `scores` and `logits`
     where the generation config asks for them (`return_dict_in_generate`), as `_sample` returns them."""

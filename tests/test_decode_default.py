@@ -18,15 +18,18 @@ import threading
 
 import pytest
 import torch
+from conftest import random_ids, tiny_dense, tiny_tokenizer
 from transformers import CompileConfig, DynamicCache, StaticCache, pipeline
 
 import hf_moe
 from hf_moe.compat import CACHE_NAME, static_cache_layers
 from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
-from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
-
-from conftest import random_ids, tiny_dense, tiny_tokenizer
+from hf_moe.generation import (
+    decode_compile_config,
+    one_op_sample,
+    prepare_generate_kwargs,
+)
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
 
@@ -117,8 +120,9 @@ def test_the_plain_call_runs_the_steps_own_loop_or_the_plan_in_transformers_loop
     prompt, each new token and the end, and the weights are asked onto huge pages. Where that loop cannot run the
     call (`prefill_chunk_size`: it prefills in one forward), the same plan runs inside transformers' loop, through the
     DecodeStep. Both give the eager tokens."""
-    import hf_moe.generation
     from transformers.generation.streamers import BaseStreamer
+
+    import hf_moe.generation
 
     class Streamer(BaseStreamer):
         def __init__(self):

@@ -10,8 +10,8 @@
 // for an expert's few rows (decoding) in registers, multiplied in fp32 (bf16 activations are exact in fp32); for
 // many rows (prefill) a few weight rows at a time into L1, in the activations' precision (fp32, or rounded to bf16
 // for bf16 activations, then vdpbf16ps; in fp32 where the CPU has no bf16 instructions: `run`'s caller). Either way
-// the result is dequantize-then-matmul. Scales are fp32, one per
-// output row ([E, out]) or per group of `K / G` inputs ([E, out, G]).
+// the result is dequantize-then-matmul. Scales are fp32, one per output row ([E, out]) or per group of `K / G` inputs
+// ([E, out, G]).
 //
 // Work is split by output columns, never by expert, so every thread streams its share of every active expert's
 // weights once: a one-token decode reads each active weight once, with both threads busy, and a long prefill reuses
