@@ -19,31 +19,17 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serve_worker import Timestamps  # noqa: E402  (benchmarks/serve_worker.py)
 from spread import cell  # noqa: E402  (benchmarks/spread.py)
 
 
-class Stamps:
-    """A streamer that notes when each new token arrives (the prompt's put is not a token)."""
-
-    def __init__(self):
-        self.times, self.prompt_seen = [], False
-
-    def put(self, value) -> None:
-        if self.prompt_seen:
-            self.times.append(time.perf_counter())
-        self.prompt_seen = True
-
-    def end(self) -> None:
-        pass
-
-    def step_ms(self) -> float:
-        """The median time between two tokens after the first (the first follows the prefill)."""
-        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:])) * 1e3
+def step_ms(stamps: Timestamps) -> float:
+    """The median time between two streamed tokens after the first (the first follows the prefill), in ms."""
+    return statistics.median(b - a for a, b in zip(stamps.times[1:], stamps.times[2:])) * 1e3
 
 
 def main() -> None:
@@ -78,12 +64,12 @@ def main() -> None:
     tokens = {}
     for call in range(args.calls + 1):
         for name, extra in loops.items():
-            stamps = Stamps()
+            stamps = Timestamps()
             with torch.inference_mode():
                 out = model.generate(prompt, streamer=stamps, **common, **extra)
             tokens[name] = tuple(out[0].tolist())
             if call:  # the first call of each is a warm-up
-                steps[name].append(stamps.step_ms())
+                steps[name].append(step_ms(stamps))
     own, theirs = steps.values()
     ratios = [b / a for a, b in zip(own, theirs)]
     precision = {"experts": "bf16, int8 experts", "all": "bf16, int8 experts and linear layers"}

@@ -47,6 +47,20 @@ def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
 
 
+class StreamedTokens:
+    """A `generate` streamer (transformers' BaseStreamer interface) that keeps what it is given, each put as a list
+    (the prompt's [B, T], then each step's [B]), and whether it was ended."""
+
+    def __init__(self):
+        self.tokens, self.ended = [], False
+
+    def put(self, value) -> None:
+        self.tokens.append(value.tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)

@@ -18,18 +18,15 @@ import threading
 
 import pytest
 import torch
-from conftest import random_ids, tiny_dense, tiny_tokenizer
 from transformers import CompileConfig, DynamicCache, StaticCache, pipeline
 
 import hf_moe
 from hf_moe.compat import CACHE_NAME, static_cache_layers
 from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
-from hf_moe.generation import (
-    decode_compile_config,
-    one_op_sample,
-    prepare_generate_kwargs,
-)
+from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
+
+from conftest import StreamedTokens, random_ids, tiny_dense, tiny_tokenizer
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
 
@@ -120,32 +117,20 @@ def test_the_plain_call_runs_the_steps_own_loop_or_the_plan_in_transformers_loop
     prompt, each new token and the end, and the weights are asked onto huge pages. Where that loop cannot run the
     call (`prefill_chunk_size`: it prefills in one forward), the same plan runs inside transformers' loop, through the
     DecodeStep. Both give the eager tokens."""
-    from transformers.generation.streamers import BaseStreamer
-
     import hf_moe.generation
-
-    class Streamer(BaseStreamer):
-        def __init__(self):
-            self.values, self.ended = [], False
-
-        def put(self, value):
-            self.values.append(value.clone())
-
-        def end(self):
-            self.ended = True
 
     asked = []
     monkeypatch.setattr(hf_moe.generation, "back_with_huge_pages", lambda tensors: asked.append(list(tensors)) or 0)
     moe = model_with("int8")
     ids = random_ids(1, 9, seed=8)
-    eager = greedy(moe, ids, 6, **EAGER)
-    streamer = Streamer()
-    fast = greedy(moe, ids, 6, streamer=streamer)
+    streamers = {"eager": StreamedTokens(), "fast": StreamedTokens()}
+    eager = greedy(moe, ids, 6, streamer=streamers["eager"], **EAGER)
+    fast = greedy(moe, ids, 6, streamer=streamers["fast"])
     assert torch.equal(fast.sequences, eager.sequences)
     assert len(plans) == 1 and plans[0].calls == 5 and "_hf_moe_decode_steps" not in moe.__dict__
     assert len(asked) == 1 and {id(p) for p in moe.parameters()} <= {id(t) for t in asked[0]}
-    assert torch.equal(torch.cat([v.reshape(1, -1) for v in streamer.values], dim=1), eager.sequences)
-    assert streamer.ended
+    assert streamers["fast"].tokens == streamers["eager"].tokens and len(streamers["fast"].tokens) == 1 + 6
+    assert streamers["fast"].ended
 
     chunked = greedy(moe, ids, 6, prefill_chunk_size=4)  # chunks of 4, 4 and 1 token(s): the last is a plan call
     assert torch.equal(chunked.sequences, eager.sequences)

@@ -16,12 +16,13 @@ import threading
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
 import hf_moe
 from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN, one_op_reason
 from hf_moe.generation import generate, one_op_sample
+
+from conftest import StreamedTokens
 
 FAMILIES = {
     "mixtral": dict(num_local_experts=4, intermediate_size=32),
@@ -103,19 +104,9 @@ def test_the_loop_streams_and_refuses_what_it_cannot_serve():
     model = native("qwen3_moe")
     ids, mask = left_padded()
 
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.tokens, self.ended = [], False
-
-        def put(self, value):
-            self.tokens.append(value.tolist())
-
-        def end(self):
-            self.ended = True
-
     streams = {}
     for name, call in (("eager", eager), ("one_op", generate)):
-        streams[name] = Collect()
+        streams[name] = StreamedTokens()
         greedy(call, model, ids[:1], mask[:1], streamer=streams[name])
     assert streams["one_op"].ended and streams["one_op"].tokens == streams["eager"].tokens
     with pytest.raises(ValueError, match="static cache"):  # the loop asked for by hand, without its cache
