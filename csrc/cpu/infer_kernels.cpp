@@ -441,7 +441,7 @@ const Kernels* const kAvx512 = nullptr;
 #ifdef HF_MOE_HAS_AVX2_KERNELS
 // AVX2 for the kernels that do one operation per weight per token; the portable ones for the rest.
 const Kernels kAvx2Table{"avx2",           dot_f32_avx2,     dot_bf16_avx2,  dot_q8_avx2,
-                         dequant_f32_portable, dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,
+                         dequant_f32_avx2, dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,
                          gemm_bf16_avx2,   activate_portable};
 const Kernels* const kAvx2 = &kAvx2Table;
 #else

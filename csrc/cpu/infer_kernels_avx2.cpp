@@ -190,6 +190,23 @@ HF_AVX2 void dot_q8_avx2(const float* x, int64_t ldx, int64_t rows, const int8_t
     }
 }
 
+// Eight int8 values at a time, widened to fp32 and times their group's scale: the same product as the portable
+// kernel's, so the same bits.
+HF_AVX2 void dequant_f32_avx2(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group,
+                              int cols, int64_t k, float* dst) {
+  for (int j = 0; j < cols; ++j)
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+      const float s = scale[j * ld_scale + g0 / group];
+      const __m256 sv = _mm256_set1_ps(s);
+      const int64_t end = std::min(k, g0 + group);
+      const int8_t* row = q + j * ldq;
+      float* out = dst + j * k;
+      int64_t c = g0;
+      for (; c + 8 <= end; c += 8) _mm256_storeu_ps(out + c, _mm256_mul_ps(Q8::load8(row + c), sv));
+      for (; c < end; ++c) out[c] = static_cast<float>(row[c]) * s;
+    }
+}
+
 HF_AVX2 void gemm_f32_avx2(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
                            int64_t k, float* out, int64_t ldo) {
   gemm_all(w, ldw, cols, packed, ld, rows, k, out, ldo);

@@ -1,7 +1,9 @@
 // The AVX2 (with FMA) kernels of infer_kernels.h's `Kernels`: the dot products and GEMMs, compiled in
 // infer_kernels_avx2.cpp for that target function by function. `infer_kernels` puts them in the table it picks on a
-// CPU with AVX2 and FMA but not AVX-512 BF16, beside the portable kernels for the rest (dequantizing, activations:
-// a few operations per weight, once per call, where the dot products and GEMMs do one per weight per token).
+// CPU with AVX2 and FMA but not AVX-512 BF16, beside the portable kernels for the rest (dequantizing to bf16, the
+// activations: a few operations per weight, once per call, where the dot products and GEMMs do one per weight per
+// token). Dequantizing to fp32 is here too: a prefill on such a CPU computes int8 experts in fp32 (infer_cpu.cpp),
+// and dequantizes each weight block once per call.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,8 @@ void dot_bf16_avx2(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t*
                    float* out, int64_t ldo);
 void dot_q8_avx2(const float* x, int64_t ldx, int64_t rows, const int8_t* q, int64_t ldq, const float* scale,
                  int64_t ld_scale, int64_t group, int cols, int64_t k, float* out, int64_t ldo);
+void dequant_f32_avx2(const int8_t* q, int64_t ldq, const float* scale, int64_t ld_scale, int64_t group, int cols,
+                      int64_t k, float* dst);
 void gemm_f32_avx2(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows, int64_t k,
                    float* out, int64_t ldo);
 void gemm_bf16_avx2(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld, int64_t rows,
