@@ -439,7 +439,8 @@ const Kernels* const kAvx512 = &kAvx512Table;
 const Kernels* const kAvx512 = nullptr;
 #endif
 #ifdef HF_MOE_HAS_AVX2_KERNELS
-// AVX2 for the kernels that do one operation per weight per token; the portable ones for the rest.
+// AVX2 for the kernels that do one operation per weight per token, and for dequantizing to fp32 (a prefill's, on
+// such a CPU: infer_cpu.cpp); the portable ones for the rest.
 const Kernels kAvx2Table{"avx2",           dot_f32_avx2,     dot_bf16_avx2,  dot_q8_avx2,
                          dequant_f32_avx2, dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,
                          gemm_bf16_avx2,   activate_portable};
