@@ -17,19 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_worker import Timestamps  # noqa: E402  (benchmarks/serve_worker.py)
-from spread import cell  # noqa: E402  (benchmarks/spread.py)
-
-
-def step_ms(stamps: Timestamps) -> float:
-    """The median time between two streamed tokens after the first (the first follows the prefill), in ms."""
-    return statistics.median(b - a for a, b in zip(stamps.times[1:], stamps.times[2:])) * 1e3
+from spread import cell, median_step  # noqa: E402  (benchmarks/spread.py)
 
 
 def main() -> None:
@@ -69,7 +63,7 @@ def main() -> None:
                 out = model.generate(prompt, streamer=stamps, **common, **extra)
             tokens[name] = tuple(out[0].tolist())
             if call:  # the first call of each is a warm-up
-                steps[name].append(step_ms(stamps))
+                steps[name].append(median_step(stamps.times) * 1e3)
     own, theirs = steps.values()
     ratios = [b / a for a, b in zip(own, theirs)]
     precision = {"experts": "bf16, int8 experts", "all": "bf16, int8 experts and linear layers"}

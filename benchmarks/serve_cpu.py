@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -47,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from decode_modes import HF_MOE_MODES, MODES, mode_names  # noqa: E402  (benchmarks/)
 from llamacpp import DEFAULT_DIR, convert, installed, llamacpp_worker  # noqa: E402  (benchmarks/)
-from spread import cell  # noqa: E402
+from spread import cell, median_step  # noqa: E402
 from workers import Worker  # noqa: E402
 
 QUESTION = "What is the capital of France?"
@@ -130,8 +129,7 @@ def run_once(worker: Worker, mode: str, texts: Texts, args) -> dict:
     extra = {} if mode == "-" else {"mode": mode}
     out = worker.call("generate", prompt=texts.question, new_tokens=args.new_tokens, stop_at_eos=False, **extra)
     times = out["times"]
-    steps = [b - a for a, b in zip(times[1:], times[2:])]
-    result = {"decode_step": 1 / statistics.median(steps), "decode_e2e": args.new_tokens / times[-1],
+    result = {"decode_step": 1 / median_step(times), "decode_e2e": args.new_tokens / times[-1],
               "tokens": out["tokens"]}
     for n, prompt in texts.prefill.items():
         if mode in ("eager", "-"):
