@@ -120,7 +120,7 @@ def test_a_triton_op_that_falls_back_to_torch_fails_the_run_and_is_named(tmp_pat
 
 # -- the runner: each step a child process with its own limit ---------------------------------------------------------
 def fake_passes(step, smoke, limit):
-    step.status, step.summary, step.data = "passed", "fine", dict(limit=limit, smoke=smoke)
+    step.status, step.summary, step.data = "passed", "fine", dict(limit=limit, smoke=smoke, parent=os.getppid())
 
 
 def fake_crashes(step, smoke, limit):
@@ -151,12 +151,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_a_crash_a_hang_or_an_error_costs_only_its_step(tmp_path):
-    """Five fake steps in child processes: a hang is killed at its limit with whatever it started (its partial record
-    kept), a crash (SIGABRT) and an exception fail their step only, the steps after them run, and a step the budget
-    cannot give its minimum is skipped, saying so. The whole run stays inside the budget."""
+@pytest.mark.parametrize("fork", [False, True], ids=["fresh", "forked"])
+def test_a_crash_a_hang_or_an_error_costs_only_its_step(tmp_path, fork):
+    """Five fake steps in child processes (fresh interpreters, or forked from the fork server as under --smoke): a hang
+    is killed at its limit with whatever it started (its partial record kept), a crash (SIGABRT) and an exception fail
+    their step only, the steps after them run, and a step the budget cannot give its minimum is skipped, saying so.
+    The whole run stays inside the budget."""
     module = "test_gpu_check"
-    specs = [StepSpec("hangs", "hangs", f"{module}:fake_hangs", most=20, least=1),
+    hang = 10 if fork else 20  # a fresh child first spends seconds importing
+    specs = [StepSpec("hangs", "hangs", f"{module}:fake_hangs", most=hang, least=1),
              StepSpec("crashes", "crashes", f"{module}:fake_crashes", most=60, least=1),
              StepSpec("raises", "raises", f"{module}:fake_raises", most=60, least=1),
              StepSpec("passes", "passes", f"{module}:fake_passes", most=60, least=1),
@@ -164,16 +167,17 @@ def test_a_crash_a_hang_or_an_error_costs_only_its_step(tmp_path):
     env = _env(PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     report = Report(tmp_path, "fake", {})
     start = time.monotonic()
-    run_steps(specs, report, budget=240, smoke=True, env=env)
+    run_steps(specs, report, budget=240, smoke=True, env=env, fork=fork)
     assert time.monotonic() - start < 240
     hangs, crashes, raises, passes, too_big = report.steps
-    assert hangs.status == "failed" and hangs.summary == "timed out after 20 s; so far: 1 of 2 cases done"
+    assert hangs.status == "failed" and hangs.summary == f"timed out after {hang} s; so far: 1 of 2 cases done"
     assert not _alive(hangs.data["grandchild"])  # the step's own subprocess went with it
     assert crashes.status == "failed" and "died: exit status -6 (signal SIGABRT)" in crashes.summary
     assert crashes.data == {"before the crash": True}
     assert raises.status == "failed" and raises.summary == "ValueError: a step's own error"
     assert "Traceback" in raises.detail
     assert passes.status == "passed" and passes.data["smoke"] is True
+    assert (passes.data["parent"] == os.getpid()) is not fork  # a forked child's parent is the fork server
     assert passes.limit - 30 < passes.data["limit"] < passes.limit  # less the child's start
     assert too_big.status == "skipped" and "needs at least 10000" in too_big.summary
     written = json.loads((tmp_path / "results.json").read_text())

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0,
                   stop_after=lambda step: step.data.get("runnable") is False,
-                  numbers=[every.index(spec) + 1 for spec in specs])
+                  numbers=[every.index(spec) + 1 for spec in specs], fork=args.smoke)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -12,6 +12,12 @@ as failed, with its exit status or "timed out", the output's tail and whatever i
 Nothing is built on the way: the children run with HF_MOE_BACKEND=triton (or what the caller set), which never
 compiles the C++ CPU extension.
 
+Under --smoke (CPU, and CI) the children are forked from a fork server (`python -m hf_moe.gpu_check.child --serve`,
+started once with the children's environment), which imported torch, transformers and triton: a fresh interpreter
+spends about 10 s of a 2-core machine importing them, more than most smoke steps then run. A forked child is
+otherwise the same: its own session, output and working directory, killed with its group at its limit. On a GPU each
+step starts a fresh interpreter, so that no step inherits another process's state.
+
 Limits: the steps come in the order of their value; step i may take at most `most` seconds and no more than what
 the budget has left less the `least` of every later step that has one (so each later step still gets its minimum);
 a step whose limit falls under its own `least` is skipped, saying so. A step with no `most` takes what is left.
@@ -19,8 +25,11 @@ a step whose limit falls under its own `least` is skipped, saying so. A step wit
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -56,16 +65,17 @@ def plan_limit(specs: list[StepSpec], index: int, left: float, scale: float = 1.
 
 
 def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool, env: dict[str, str],
-              scale: float = 1.0, stop_after=None, numbers: list[int] | None = None) -> Report:
+              scale: float = 1.0, stop_after=None, numbers: list[int] | None = None, fork: bool = False) -> Report:
     """Run each spec in a child within `budget` seconds, adding its Step to `report` (written after each).
     `stop_after(step)`: True to skip the remaining steps (said so in each). `numbers`: the steps' numbers in the
-    report (default 1, 2, ...)."""
+    report (default 1, 2, ...). `fork`: fork the children from a fork server (never where a step uses CUDA)."""
     if not 0 < budget < math.inf:  # (NaN too: a NaN limit would never time out, and a hung step would stay)
         raise ValueError(f"budget must be a finite number of seconds above 0, got {budget!r}.")
     deadline = time.monotonic() + budget
     stopped = ""
     (report.out / "logs.txt").write_text("")  # this run's output only
-    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
+    servers = ForkServer(env) if fork else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp, servers as server:
         for index, spec in enumerate(specs):
             number = numbers[index] if numbers else index + 1
             left = deadline - time.monotonic()
@@ -76,7 +86,7 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
                 step = Step(number, spec.name, SKIPPED, f"skipped: {why}")
             else:
                 print(f"[gpu_check] step {number}: {spec.name} (limit {limit:.0f} s) ...", flush=True)
-                step = run_child(spec, number, smoke, limit, env, Path(tmp), report.out / "logs.txt")
+                step = run_child(spec, number, smoke, limit, env, Path(tmp), report.out / "logs.txt", server)
                 print(f"[gpu_check] step {number}: {step.status} ({step.seconds:.0f} s): {step.summary}", flush=True)
             report.add(step)
             if not stopped and stop_after is not None and stop_after(step):
@@ -85,22 +95,30 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
 
 
 def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[str, str], tmp: Path,
-              log: Path) -> Step:
-    """Run `spec` in a child process (its own process group), killed after `limit` seconds; its Step."""
+              log: Path, server: ForkServer | None = None) -> Step:
+    """Run `spec` in a child process (its own process group), killed after `limit` seconds; its Step. With `server`,
+    the child is forked from it (which has `env`) rather than a fresh interpreter."""
     result, output = tmp / f"step{number}.json", tmp / f"step{number}.log"
-    cmd = [sys.executable, "-m", "hf_moe.gpu_check.child", spec.target, str(result), "--number", str(number),
-           "--name", spec.name, "--limit", f"{limit:.1f}", "--deadline", f"{time.time() + limit:.1f}"] + \
-        (["--smoke"] if smoke else [])
+    argv = [spec.target, str(result), "--number", str(number), "--name", spec.name, "--limit", f"{limit:.1f}",
+            "--deadline", f"{time.time() + limit:.1f}"] + (["--smoke"] if smoke else [])
     start = time.monotonic()
     with open(output, "w") as out:
-        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                 env=env, start_new_session=True)
+        if server is not None:
+            child = server.start(argv, output)
+        else:
+            child = subprocess.Popen([sys.executable, "-m", "hf_moe.gpu_check.child", *argv], stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                                     start_new_session=True)
+        status = None
         try:
             status = child.wait(timeout=max(limit, 1))
         except subprocess.TimeoutExpired:
-            status = None
+            pass
         finally:
             kill_group(child.pid)  # whatever the step started (pytest, torchrun, ...) goes with it
+            if status is None and server is not None:  # (a forked child killed before it made its own group)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
             child.wait()
     seconds = time.monotonic() - start
     text = output.read_text(errors="replace")
@@ -118,6 +136,66 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
     if step.status != PASSED or not step.detail:
         step.detail += f"\n\nThe step's output (last lines):\n\n{code_block(text, 6000)}"
     return step
+
+
+class ForkServer:
+    """`python -m hf_moe.gpu_check.child --serve` with `env`, in ROOT: children forked from it (`start`), one at a
+    time. It ends when this closes (a `with` block) or when this process dies."""
+
+    def __init__(self, env: dict[str, str]):
+        # In this process's group, so that whatever kills the run's group kills the server too; its own messages (not
+        # its children's) on this process's stderr.
+        self.process = subprocess.Popen([sys.executable, "-m", "hf_moe.gpu_check.child", "--serve"], cwd=ROOT, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._lines = b""
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.stdin.close()  # the server's end of input: it exits
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def start(self, argv: list[str], output: Path) -> ForkedChild:
+        """Fork a child that runs `python -m hf_moe.gpu_check.child ARGV` with its output into `output`."""
+        try:
+            self.process.stdin.write(json.dumps(dict(argv=argv, output=str(output))).encode() + b"\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            raise ChildProcessError(f"the fork server ended (exit status {self.process.wait()})") from None
+        return ForkedChild(self, self.answer(None)["pid"])
+
+    def answer(self, timeout: float | None) -> dict:
+        """The server's next answer line, waiting at most `timeout` seconds (None: for ever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = self.process.stdout.fileno()
+        while b"\n" not in self._lines:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and (wait <= 0 or not select.select([out], [], [], wait)[0]):
+                raise subprocess.TimeoutExpired("gpu_check step", timeout)
+            chunk = os.read(out, 65536)
+            if not chunk:  # the server's own failure (its traceback is on this process's stderr)
+                raise ChildProcessError(f"the fork server ended (exit status {self.process.wait()})")
+            self._lines += chunk
+        line, self._lines = self._lines.split(b"\n", 1)
+        return json.loads(line)
+
+
+class ForkedChild:
+    """A child forked by a ForkServer, waited for as a subprocess.Popen is: wait() gives its exit status (negative: the
+    signal that ended it) or raises subprocess.TimeoutExpired."""
+
+    def __init__(self, server: ForkServer, pid: int):
+        self.server, self.pid, self.status = server, pid, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.status is None:
+            self.status = self.server.answer(timeout)["status"]
+        return self.status
 
 
 def _signal_name(number: int) -> str:
