@@ -1,10 +1,10 @@
-// Shared helpers and the Python module (pybind11) of the hf_moe CPU kernels.
+// Shared helpers, and the Python module that loads the hf_moe CPU kernels.
 // Kernels: cpu/*.cpp register the CPU implementations of the ops hf_moe/ops/library.py defines.
 
-#include <torch/extension.h>
-#include <torch/library.h>
+#include <Python.h>
+#include <c10/util/Exception.h>
 
-#include "hf_moe.h"
+#include "activation.h"
 
 namespace hf_moe {
 
@@ -28,18 +28,19 @@ __attribute__((used)) const char kSourceStamp[] = "hf_moe_source_hash=" HF_MOE_S
 
 // The schemas of the hf_moe ops are defined in Python when hf_moe is imported (hf_moe/ops/library.py), with their
 // shape functions, backward formulas and pure-torch default kernels, so a saved exported program that calls them
-// loads without this extension. cpu/*.cpp register the CPU kernels (TORCH_LIBRARY_IMPL).
+// loads without this extension. cpu/*.cpp register the CPU kernels (TORCH_LIBRARY_IMPL) when the library loads.
+//
+// So the module itself has nothing in it: importing it loads the library. It is a plain CPython module rather than
+// pybind11's, whose headers (through <torch/extension.h>, all of torch's Python API) made this the build's longest
+// compile.
+#define HF_MOE_STRING(x) HF_MOE_STRING_(x)
+#define HF_MOE_STRING_(x) #x
+#define HF_MOE_PYINIT(name) HF_MOE_PYINIT_(name)
+#define HF_MOE_PYINIT_(name) PyInit_##name
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "hf_moe compiled dispatch and expert kernels (ops live in torch.ops.hf_moe)";
-  module.def("build_info", [] {
-    pybind11::dict info;
-#ifdef _OPENMP
-    info["openmp"] = true;
-#else
-    info["openmp"] = false;
-#endif
-    info["parallel"] = at::get_parallel_info();
-    return info;
-  });
-}
+static PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, HF_MOE_STRING(TORCH_EXTENSION_NAME),
+    "hf_moe's compiled CPU kernels; importing this module registers them (the ops live in torch.ops.hf_moe)", -1,
+    nullptr};
+
+PyMODINIT_FUNC HF_MOE_PYINIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&module_def); }
