@@ -56,26 +56,29 @@ _FINGERPRINT = textwrap.dedent("""
 def test_import_hf_moe_patches_nothing():
     """`import hf_moe` used to put a finder on sys.meta_path that replaced Trainer.train, load_sharded_checkpoint
     and Accelerator.clip_grad_norm_ for every model in the process."""
-    reference = _run(_FINGERPRINT + "print(sorted(fingerprint().items()))")
-    # hf_moe first, the training libraries after (the finder's case), and hf_moe last: identical functions.
-    # (Other libraries add finders of their own when imported: look for ours.)
+    # The training libraries first, then hf_moe (the finder's case): the same functions, and the same objects; hf_moe
+    # first: the same functions as the libraries alone. (Other libraries add finders of their own when imported: look
+    # for ours.) Two processes: each import of the training libraries costs seconds.
     no_finder = (
         "modules = lambda f: (getattr(f, '__module__', ''), type(f).__module__)\n"
         "ours = [f for f in sys.meta_path if any(m.split('.')[0] == 'hf_moe' for m in modules(f))]\n"
         "assert not ours, ours\n"
     )
-    first = _run(_FINGERPRINT + "import hf_moe\n" + no_finder + "print(sorted(fingerprint().items()))\n" + no_finder)
-    assert first == reference
-    _run(
+    reference = _run(
         _FINGERPRINT
         + "import accelerate, transformers.trainer\n"
+        + "print(sorted(fingerprint().items()))\n"
         + "objects = (transformers.trainer.Trainer.train, transformers.trainer.load_sharded_checkpoint, "
         + "accelerate.Accelerator.clip_grad_norm_)\n"
+        + "before = fingerprint()\n"
         + "import hf_moe, hf_moe.training.trainer\n"
         + no_finder
+        + "assert fingerprint() == before\n"
         + "assert objects == (transformers.trainer.Trainer.train, transformers.trainer.load_sharded_checkpoint, "
         + "accelerate.Accelerator.clip_grad_norm_)\n"
     )
+    first = _run(_FINGERPRINT + "import hf_moe\n" + no_finder + "print(sorted(fingerprint().items()))\n" + no_finder)
+    assert first == reference
 
 
 @pytest.mark.subprocess
