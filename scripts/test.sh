@@ -46,9 +46,10 @@ HF_MOE_BUILD_EXT=$ext python -m pip install --no-build-isolation -e ".[dev]"
 python -m pip install --upgrade "$(grep -o '"transformers[^"]*"' pyproject.toml | tr -d '"')"
 python -c "import transformers; from hf_moe.compat import TESTED; newest = TESTED['transformers'][1]; \
 assert transformers.__version__.split('.')[:2] == newest.split('.')[:2], (transformers.__version__, newest)"
-# DeepSpeed (the ZeRO-3 test of tests/test_tools.py) is such an sdist, installed with no ops compiled ahead. Its test
-# skips without it. (Reinstalling hf_moe editable leaves hf_moe._C in place.)
-DS_BUILD_OPS=0 python -m pip install --no-build-isolation -e ".[deepspeed]" \
+# DeepSpeed (the ZeRO-3 test of tests/test_tools.py) is such an sdist, installed with no ops compiled ahead, at the
+# version of hf_moe's `deepspeed` extra (`-e ".[deepspeed]"` would build hf_moe's editable wheel a second time). Its
+# test skips without it.
+DS_BUILD_OPS=0 python -m pip install --no-build-isolation "$(grep -o '"deepspeed==[^"]*"' pyproject.toml | tr -d '"')" \
     || echo "deepspeed did not install: the ZeRO-3 test of tests/test_tools.py will skip"
 prebuilt_is_current
 # The suite runs on two workers (pytest-xdist; HF_MOE_TEST_WORKERS to change): most tests use one core, so two workers
