@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         return step.data.get("runnable") is False
 
     run_steps(specs, report, budget, args.smoke, env, SMOKE_SCALE if args.smoke else 1.0, stop_after=cannot_run,
-              numbers=[STEPS.index(spec) + 1 for spec in specs], fork=args.smoke)  # a step keeps its number when others are left out
+              numbers=[STEPS.index(spec) + 1 for spec in specs],  # a step keeps its number when others are left out
+              fork=args.smoke)
     return report.conclude("gpu_check")
 
 
