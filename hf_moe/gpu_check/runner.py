@@ -166,7 +166,7 @@ class ForkServer:
             self.process.stdin.write(json.dumps(dict(argv=argv, output=str(output))).encode() + b"\n")
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise ChildProcessError(f"the fork server ended (exit status {self.process.wait()})") from None
+            raise self._ended() from None
         return ForkedChild(self, self.answer(None)["pid"])
 
     def answer(self, timeout: float | None) -> dict:
@@ -179,10 +179,13 @@ class ForkServer:
                 raise subprocess.TimeoutExpired("gpu_check step", timeout)
             chunk = os.read(out, 65536)
             if not chunk:  # the server's own failure (its traceback is on this process's stderr)
-                raise ChildProcessError(f"the fork server ended (exit status {self.process.wait()})")
+                raise self._ended()
             self._lines += chunk
         line, self._lines = self._lines.split(b"\n", 1)
         return json.loads(line)
+
+    def _ended(self) -> ChildProcessError:
+        return ChildProcessError(f"the fork server ended (exit status {self.process.wait()})")
 
 
 class ForkedChild:
