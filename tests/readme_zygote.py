@@ -67,13 +67,13 @@ def _openblas_threads() -> int:
     return len(libraries) * max(per_pool - 1, 0)
 
 
-def _why_not_fork() -> str | None:
+def why_not_fork() -> str | None:
     """None when forking is safe now, else why not."""
     if threading.active_count() != 1:
-        return f"the server runs {threading.active_count()} Python threads"
+        return f"this process runs {threading.active_count()} Python threads"
     threads, allowed = len(os.listdir("/proc/self/task")), 1 + _openblas_threads()
     if threads > allowed:
-        return f"the server runs {threads} threads, more than its main thread and OpenBLAS's pools ({allowed})"
+        return f"this process runs {threads} threads, more than its main thread and OpenBLAS's pools ({allowed})"
     return None
 
 
@@ -94,6 +94,14 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({k: v for k, v in request["env"].items() if k != SERVER_VARIABLE})  # what it starts runs real
+    os._exit(run_as_main(request))
+
+
+def run_as_main(request: dict) -> int:
+    """Run request["module"] as `python -m MODULE ARGS` would, or request["script"] as `python SCRIPT ARGS` (a console
+    script, too, is such a script), with request.get("args") as its arguments, in this forked process; then end it
+    as the interpreter would, less the teardown of the modules imported before the fork. Returns the exit status,
+    for `os._exit`."""
     if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator itself; `random` reseeds after fork
         sys.modules["numpy"].random.seed()
 
@@ -101,11 +109,11 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
     import runpy
 
     try:
-        if "module" in request:  # as `python -m MODULE ARGS` sets argv and sys.path[0]
+        if "module" in request:
             sys.argv = ["-m", *request.get("args", [])]
             sys.path[0] = os.getcwd()
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        else:  # as `python SCRIPT ARGS` does (a console script, too, is such a script)
+        else:
             script = request["script"]
             sys.argv = [script, *request.get("args", [])]
             sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -116,8 +124,8 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
     except BaseException:  # as the interpreter reports an uncaught exception
         sys.excepthook(*sys.exc_info())
         status = 1
-    # The interpreter's own shutdown, less the teardown of every module the server imported (seconds, and nothing a
-    # block can observe): non-daemon threads joined, atexit handlers run, the standard streams flushed.
+    # The interpreter's own shutdown, less the teardown of every module imported before the fork (seconds, and
+    # nothing a script can observe): non-daemon threads joined, atexit handlers run, the standard streams flushed.
     while others := [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]:
         for thread in others:
             thread.join()
@@ -127,7 +135,7 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(status)
+    return status
 
 
 def _exit_status(code) -> int:
@@ -195,7 +203,7 @@ def _serve_command(connection: socket.socket, baseline: dict[str, str], commands
     """Runs one stand-in's command in a forked child; kills the child if the stand-in goes first."""
     request, fds = _recv_request(connection)
     differ = _differences(request["env"], baseline, commands)
-    why = (_why_not_fork() or (f"its environment sets {', '.join(differ)} otherwise" if differ else None)
+    why = (why_not_fork() or (f"its environment sets {', '.join(differ)} otherwise" if differ else None)
            or _why_fresh(request))
     if why is not None or len(fds) != 3:
         for fd in fds:
@@ -252,7 +260,7 @@ def serve(imports: list[str], commands: str | None = None) -> None:
         writer.write(json.dumps(message) + "\n")
         writer.flush()
 
-    say({"ready": _why_not_fork() or "ok"})
+    say({"ready": why_not_fork() or "ok"})
     waiting = [reader] if listener is None else [reader, listener]
     while True:
         readable, _, _ = select.select(waiting, [], [])
@@ -265,7 +273,7 @@ def serve(imports: list[str], commands: str | None = None) -> None:
         if not line:
             return
         request = json.loads(line)
-        why = _why_not_fork()
+        why = why_not_fork()
         if why is not None:
             say({"refused": why})
             continue

@@ -1,4 +1,5 @@
-"""Multi-process training on CPU (gloo), launched with torchrun."""
+"""Multi-process training on CPU (gloo): ranks launched as torchrun launches them (tests/dist/launch.py), and the
+launch commands themselves."""
 
 from __future__ import annotations
 
@@ -20,11 +21,35 @@ ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "tests" / "dist"
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run tests/dist/<script> under torchrun with `nproc` CPU processes; fail with its output if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(DIST / script), *args]
-    return _run(cmd, timeout)
+def launch(*runs: tuple, timeout: int = 600) -> list[str]:
+    """Run each (script, nproc, *args) of tests/dist in turn, as `torchrun --standalone --nproc_per_node NPROC SCRIPT
+    ARGS` would (nproc 0: as `python SCRIPT ARGS`), from one interpreter (tests/dist/launch.py); fail with the output
+    if a rank fails. Returns each launch's stdout."""
+    cmd = [sys.executable, str(DIST / "launch.py")]
+    for index, (script, nproc, *args) in enumerate(runs):
+        cmd += [*(["--then"] if index else []), str(nproc), str(DIST / script), *map(str, args)]
+    return re.split(r"^@@launch \d+\n", _run(cmd, timeout).stdout, flags=re.MULTILINE)[1:]
+
+
+@pytest.mark.distributed
+def test_the_launcher_stops_the_other_ranks_when_one_fails(tmp_path):
+    """As torchrun does: when rank 1 fails, rank 0 (which would wait for it) is stopped, the launch exits with rank
+    1's status and traceback, and the next launch does not start. Each rank sees torchrun's variables."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, time\n"
+                      "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'], flush=True)\n"
+                      "if os.environ['RANK'] == '1':\n    raise RuntimeError('rank 1 fails')\n"
+                      "time.sleep(600)\n")
+    after = tmp_path / "after.py"
+    after.write_text(f"open({str(tmp_path / 'started')!r}, 'w').close()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(DIST / "launch.py"), "2", str(script), "--then", "0", str(after)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1, (result.stdout, result.stderr[-3000:])
+    assert "RuntimeError: rank 1 fails" in result.stderr and "rank 1 exited 1" in result.stderr, result.stderr
+    ranks = sorted(line.split()[1:3] for line in result.stdout.splitlines() if line.startswith("RANK"))
+    assert ranks == [["0", "2"], ["1", "2"]], result.stdout
+    assert not (tmp_path / "started").exists()
 
 
 def _passed(output: str, check: str) -> bool:
@@ -47,11 +72,9 @@ def test_aux_and_z_losses_are_not_overweighted_under_ddp(tmp_path):
     * identical rows: 2 DDP ranks give exactly the gradient of 1 process on one micro-batch;
     * different rows: 2 DDP ranks with a micro-batch each give the gradient of 1 process accumulating both.
     """
-    # Two launches, each running both cases (a launch costs more than a Trainer step).
-    torchrun("aux_loss_trainer.py", 2, str(tmp_path / "ddp_same.pt"), "1", "same",
-             str(tmp_path / "ddp_mixed.pt"), "1", "mixed")
-    torchrun("aux_loss_trainer.py", 1, str(tmp_path / "one_same.pt"), "1", "same",
-             str(tmp_path / "acc_mixed.pt"), "2", "mixed")
+    # Two launches, each running both cases (a process costs more than a Trainer step).
+    launch(("aux_loss_trainer.py", 2, tmp_path / "ddp_same.pt", 1, "same", tmp_path / "ddp_mixed.pt", 1, "mixed"),
+           ("aux_loss_trainer.py", 1, tmp_path / "one_same.pt", 1, "same", tmp_path / "acc_mixed.pt", 2, "mixed"))
     _assert_same_grads(tmp_path / "ddp_same.pt", tmp_path / "one_same.pt")
     _assert_same_grads(tmp_path / "ddp_mixed.pt", tmp_path / "acc_mixed.pt")
 
@@ -60,19 +83,14 @@ def test_aux_and_z_losses_are_not_overweighted_under_ddp(tmp_path):
 # Expert parallelism x FSDP2 (tests/dist/parallel.py). Four launches, run once, in order: each resumes the training
 # state the one before saved (4 processes -> 2 -> 1).
 # ----------------------------------------------------------------------------------------------------------------
-PARALLEL_LAUNCHES = (("four", 4), ("two", 2), ("trainer", 2), ("one", 1))
+PARALLEL_LAUNCHES = (("four", 4), ("two", 2), ("trainer", 2), ("one", 0))  # 0: one process, no process group
 
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("parallel")
-    outputs = {}
-    for mode, nproc in PARALLEL_LAUNCHES:
-        if nproc == 1:  # one process and no process group at all
-            outputs[mode] = _run([sys.executable, str(DIST / "parallel.py"), mode, str(out)]).stdout
-        else:
-            outputs[mode] = torchrun("parallel.py", nproc, mode, str(out)).stdout
-    return outputs
+    outputs = launch(*(("parallel.py", nproc, mode, out) for mode, nproc in PARALLEL_LAUNCHES))
+    return {mode: output for (mode, _), output in zip(PARALLEL_LAUNCHES, outputs)}
 
 
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -217,14 +235,13 @@ def test_accelerate_ddp_loop_with_expert_parallelism(tmp_path):
     accelerator.clip_grad_norm_ returns the single-process norm; save_state / load_state restore
     every weight and AdamW state, and the 2-process state loads on 4 in both layouts. On ffb5e1a prepare dies in DDP's
     first broadcast ("aten.cat.default got mixed torch.Tensor and DTensor")."""
-    two = torchrun("accelerate_ddp.py", 2, str(tmp_path)).stdout
+    two, four = launch(("accelerate_ddp.py", 2, tmp_path), ("accelerate_ddp.py", 4, tmp_path))
     _assert_passed(
         two,
         "every gradient equals single-process, accumulation included (world 2, EP 2;",
         "accelerator.clip_grad_norm_ returns the single-process norm and clips alike (world 2, EP 2)",
         "accelerator.save_state / load_state restore every expert and its AdamW state (world 2)",
     )
-    four = torchrun("accelerate_ddp.py", 4, str(tmp_path)).stdout
     _assert_passed(
         four,
         "every gradient equals single-process, accumulation included (world 4, EP 4;",
