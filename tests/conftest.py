@@ -389,3 +389,14 @@ def plans(monkeypatch):
 
     monkeypatch.setattr(hf_moe.decode_one_op, "DecodePlan", Recording)
     return made
+
+
+@pytest.fixture(scope="session")
+def fresh_python(tmp_path_factory):
+    """`fresh_python.run(code, *args, env=..., cwd=..., timeout=...)`: `python -c CODE ARGS` in a process hf_moe has
+    not been imported into, forked where that cannot differ from a fresh interpreter (tests/fresh_python.py)."""
+    from fresh_python import FreshPython
+
+    runner = FreshPython(tmp_path_factory.mktemp("fresh_python"))
+    yield runner
+    runner.close()

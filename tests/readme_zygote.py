@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 # What a script does before its own imports cannot reach modules the server imported before it: a script that sets
 # the environment (read at import: threads, offline switches, logging) runs fresh, and so does one that starts
@@ -83,10 +84,11 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
     os.setsid()
     for end in closing:
         end.close()
-    if streams is None:
+    if streams is None:  # stderr into request["errors"] if given, else with stdout
         null = os.open(os.devnull, os.O_RDONLY)
-        output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        streams = (null, output, output)
+        output, errors = (os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if key in request
+                          else None for key in ("output", "errors"))
+        streams = (null, output, output if errors is None else errors)
     for target, fd in enumerate(streams):
         os.dup2(fd, target)
     for fd in set(streams) - {0, 1, 2}:
@@ -98,10 +100,10 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
 
 
 def run_as_main(request: dict) -> int:
-    """Run request["module"] as `python -m MODULE ARGS` would, or request["script"] as `python SCRIPT ARGS` (a console
-    script, too, is such a script), with request.get("args") as its arguments, in this forked process; then end it
-    as the interpreter would, less the teardown of the modules imported before the fork. Returns the exit status,
-    for `os._exit`."""
+    """Run request["module"] as `python -m MODULE ARGS` would, request["code"] as `python -c CODE ARGS`, or
+    request["script"] as `python SCRIPT ARGS` (a console script, too, is such a script), with request.get("args") as
+    its arguments, in this forked process; then end it as the interpreter would, less the teardown of the modules
+    imported before the fork. Returns the exit status, for `os._exit`."""
     if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator itself; `random` reseeds after fork
         sys.modules["numpy"].random.seed()
 
@@ -113,6 +115,11 @@ def run_as_main(request: dict) -> int:
             sys.argv = ["-m", *request.get("args", [])]
             sys.path[0] = os.getcwd()
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        elif "code" in request:
+            sys.argv = ["-c", *request.get("args", [])]
+            sys.path[0] = ""
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(request["code"], "<string>", "exec"), main.__dict__)
         else:
             script = request["script"]
             sys.argv = [script, *request.get("args", [])]
@@ -342,9 +349,13 @@ class Zygote:
         return self._ready
 
     def run(self, script: str, cwd: str, env: dict[str, str], output: str, timeout: float) -> int | None:
+        return self.request({"script": script, "cwd": cwd, "env": env, "output": output}, timeout)
+
+    def request(self, request: dict, timeout: float) -> int | None:
+        """Run a request ({"script" | "module" | "code", "args", "cwd", "env", "output", "errors"}: see `_child`
+        and `run_as_main`); its exit status, or None on timeout (the child killed)."""
         if self.ready() != "ok":
             raise ZygoteRefused(self._ready)
-        request = {"script": script, "cwd": cwd, "env": env, "output": output}
         self._process.stdin.write((json.dumps(request) + "\n").encode())
         self._process.stdin.flush()
         started = self._read(None)

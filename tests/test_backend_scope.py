@@ -4,8 +4,6 @@ changed HF_MOE_BACKEND is honoured by the next call, not ignored because an earl
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -69,7 +67,7 @@ def test_a_changed_backend_setting_is_honoured(compiled_available, monkeypatch):
 
 
 @pytest.mark.subprocess
-def test_a_process_started_under_torch_loads_the_extension_when_the_setting_changes(compiled_available):
+def test_a_process_started_under_torch_loads_the_extension_when_the_setting_changes(compiled_available, fresh_python):
     """A process whose first call ran under HF_MOE_BACKEND=torch kept 'disabled' for good (the answer was cached)."""
     code = """
 import os, torch
@@ -79,7 +77,6 @@ print(dispatch_ops(cpu, "silu").name, load_extension()[1].how)
 os.environ["HF_MOE_BACKEND"] = "auto"
 print(dispatch_ops(cpu, "silu").name)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                            env={**os.environ, "HF_MOE_BACKEND": "torch"})
+    result = fresh_python.run(code, cwd=ROOT, timeout=600, env={**os.environ, "HF_MOE_BACKEND": "torch"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines() == ["torch disabled by HF_MOE_BACKEND=torch", "compiled"]

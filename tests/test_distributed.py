@@ -37,7 +37,8 @@ def test_the_launcher_stops_the_other_ranks_when_one_fails(tmp_path):
     1's status and traceback, and the next launch does not start. Each rank sees torchrun's variables."""
     script = tmp_path / "ranks.py"
     script.write_text("import os, time\n"
-                      "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'], flush=True)\n"
+                      "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'],\n"
+                      "      flush=True)\n"
                       "if os.environ['RANK'] == '1':\n    raise RuntimeError('rank 1 fails')\n"
                       "time.sleep(600)\n")
     after = tmp_path / "after.py"

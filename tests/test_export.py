@@ -70,7 +70,7 @@ def _convert(case: str):
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, fresh_python):
     """Every case converted, exported, and run by plain transformers in one fresh interpreter.
 
     Returns {case: (moe_logits, plain-transformers output, NativeExport, export dir)}.
@@ -82,10 +82,8 @@ def exported(tmp_path_factory):
         results[case] = export_native(models[case], root / case)
     torch.save(IDS, root / "ids.pt")
     dirs = {case: str(root / case) for case in CASES}
-    subprocess.run(
-        [sys.executable, "-c", PLAIN_TRANSFORMERS, json.dumps(dirs), str(root / "ids.pt"), str(root / "out.pt")],
-        check=True, cwd=root,
-    )
+    done = fresh_python.run(PLAIN_TRANSFORMERS, json.dumps(dirs), root / "ids.pt", root / "out.pt", cwd=root)
+    assert done.returncode == 0, done.stderr[-4000:]
     plain = torch.load(root / "out.pt")
     out = {}
     for case, moe in models.items():

@@ -35,9 +35,9 @@ print("backend:", dispatch_ops(torch.device("cpu"), "silu").name)
 """
 
 
-def _run(env: dict, code: str = _RUN) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env},
-                          cwd=ROOT, timeout=600)
+def _run(fresh_python, env: dict, code: str = _RUN) -> subprocess.CompletedProcess:
+    """`code` in a process that has not imported hf_moe, whose environment is this one's updated with `env`."""
+    return fresh_python.run(code, env={**os.environ, **env}, cwd=ROOT, timeout=600)
 
 
 def test_compiled_backend_is_active_here():
@@ -47,12 +47,12 @@ def test_compiled_backend_is_active_here():
 
 
 @pytest.mark.subprocess
-def test_backend_torch_skips_the_extension(tmp_path):
-    result = _run({"HF_MOE_BACKEND": "torch", "HF_MOE_CACHE": str(tmp_path)})
+def test_backend_torch_skips_the_extension(fresh_python, tmp_path):
+    result = _run(fresh_python, {"HF_MOE_BACKEND": "torch", "HF_MOE_CACHE": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert "backend: torch" in result.stdout
     assert not any(tmp_path.iterdir())  # nothing was built
-    env = _run({"HF_MOE_BACKEND": "torch"}, "import hf_moe.env as e; print(e.report())")
+    env = _run(fresh_python, {"HF_MOE_BACKEND": "torch"}, "import hf_moe.env as e; print(e.report())")
     assert "disabled by HF_MOE_BACKEND=torch" in env.stdout
 
 
@@ -80,20 +80,21 @@ def _with_sources(csrc: Path, code: str) -> str:
 
 
 @pytest.mark.subprocess
-def test_failed_build_falls_back_with_one_warning(tmp_path, stub_csrc):
-    result = _run({"HF_MOE_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"},
+def test_failed_build_falls_back_with_one_warning(fresh_python, tmp_path, stub_csrc):
+    result = _run(fresh_python, {"HF_MOE_CACHE": str(tmp_path), "CXX": "/bin/false", "CC": "/bin/false"},
                   _with_sources(stub_csrc, _RUN))
     assert result.returncode == 0, result.stderr
     assert "backend: torch" in result.stdout
     assert result.stderr.count("could not be built") == 1, result.stderr
-    forced = _run({"HF_MOE_CACHE": str(tmp_path / "2"), "CXX": "/bin/false", "HF_MOE_BACKEND": "compiled"},
+    forced = _run(fresh_python, {"HF_MOE_CACHE": str(tmp_path / "2"), "CXX": "/bin/false",
+                                 "HF_MOE_BACKEND": "compiled"},
                   _with_sources(stub_csrc, _RUN))
     assert forced.returncode != 0 and "HF_MOE_BACKEND=compiled" in forced.stderr
 
 
 @pytest.mark.subprocess
-def test_bad_backend_setting_is_an_error():
-    result = _run({"HF_MOE_BACKEND": "fast"})
+def test_bad_backend_setting_is_an_error(fresh_python):
+    result = _run(fresh_python, {"HF_MOE_BACKEND": "fast"})
     assert result.returncode != 0 and "HF_MOE_BACKEND must be auto, compiled, triton or torch" in result.stderr
 
 
@@ -161,7 +162,7 @@ def test_the_compile_estimate_counts_every_source(csrc_copy):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_ahead_of_time_build_with_setup_py(tmp_path, stub_csrc):
+def test_ahead_of_time_build_with_setup_py(fresh_python, tmp_path, stub_csrc):
     """HF_MOE_BUILD_EXT=1 builds hf_moe._C, stamped with the hash of its sources and without debug information; the
     loader takes it, its ops run, and it is refused (not even imported) for other sources. The build checked is the
     installed one where it is current (scripts/test.sh installs so, and the whole suite runs on it: CI compiles
@@ -186,7 +187,7 @@ def test_ahead_of_time_build_with_setup_py(tmp_path, stub_csrc):
     # Built as the on-first-use build is, without setuptools' -g: debug information made the library many times
     # bigger and its compile slower, for the same machine code (docs/backends.md).
     assert b".debug_info" not in so.read_bytes(), f"{so} holds debug information; rebuild it (setup.py's docstring)"
-    check = _run({"HF_MOE_BACKEND": "compiled"}, f"""
+    check = _run(fresh_python, {"HF_MOE_BACKEND": "compiled"}, f"""
 import sys, torch, hf_moe
 {on_path}
 from hf_moe.ops import load_extension
@@ -197,7 +198,7 @@ print(torch.ops.hf_moe.sort_by_expert(ids, 3)[2].tolist())
 """)
     assert check.returncode == 0, check.stderr[-3000:]
     assert check.stdout.splitlines() == ["prebuilt hf_moe._C (HF_MOE_BUILD_EXT=1 pip install)", str(so), "[1, 1, 2]"]
-    stale = _run({}, _with_sources(stub_csrc, f"""
+    stale = _run(fresh_python, {}, _with_sources(stub_csrc, f"""
 import sys, hf_moe
 {on_path}
 print(extension._prebuilt() is None, "hf_moe._C" in sys.modules)
@@ -207,7 +208,7 @@ print(extension._prebuilt() is None, "hf_moe._C" in sys.modules)
 
 
 @pytest.mark.subprocess
-def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path, stub_csrc, finished_build):
+def test_a_build_killed_midway_does_not_block_the_next_load(fresh_python, tmp_path, stub_csrc, finished_build):
     """torch's builder holds a `lock` file while it builds; a build killed midway left it, and every later process
     waited on it forever. Under hf_moe's own flock (released when a process dies) such a file is stale and goes."""
     import shutil
@@ -217,7 +218,8 @@ def test_a_build_killed_midway_does_not_block_the_next_load(tmp_path, stub_csrc,
     # (without the mark of a finished build: a killed build never wrote it)
     shutil.copytree(built, cache / "ext" / built.name, ignore=shutil.ignore_patterns("lock", "*.lock", BUILT))
     (cache / "ext" / built.name / "lock").touch()  # as a killed build leaves it
-    result = _run({"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"}, _with_sources(stub_csrc, _LOAD))
+    result = _run(fresh_python, {"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled"},
+                  _with_sources(stub_csrc, _LOAD))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"built in {cache / 'ext' / built.name}"
     assert "left by a build of the extension that was killed" in result.stderr
@@ -252,7 +254,7 @@ _LOAD = "from hf_moe.ops import load_extension; print(load_extension()[1].how)"
 
 
 @pytest.mark.subprocess
-def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, stub_csrc, finished_build):
+def test_unwritable_home_caches_the_build_in_a_private_temp_dir(fresh_python, tmp_path, stub_csrc, finished_build):
     """A service user whose $HOME is not writable rebuilt the extension in every process (minutes each).
     The build now goes to <temp dir>/hf_moe-<uid> (mode 700), where the next process finds it: here a
     finished build put there, which two processes load without compiling (no compiler, no ninja)."""
@@ -260,20 +262,20 @@ def test_unwritable_home_caches_the_build_in_a_private_temp_dir(tmp_path, stub_c
 
     env = _no_home_env(tmp_path)
     private = tmp_path / "tmp" / f"hf_moe-{os.getuid()}"
-    where = _run(env, "from hf_moe.ops.build_cache import cache_root; print(cache_root())")
+    where = _run(fresh_python, env, "from hf_moe.ops.build_cache import cache_root; print(cache_root())")
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip() == str(private) and (private.stat().st_mode & 0o777) == 0o700
     shutil.copytree(finished_build, private / "ext" / finished_build.name)
     no_tools = {**env, "HF_MOE_BACKEND": "compiled", "CXX": "/bin/false", "PATH": os.path.dirname(sys.executable)}
     for _ in range(2):
-        result = _run(no_tools, _with_sources(stub_csrc, _LOAD))
+        result = _run(fresh_python, no_tools, _with_sources(stub_csrc, _LOAD))
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == f"built in {private / 'ext' / finished_build.name}"
         assert "compiling" not in result.stderr
 
 
 @pytest.mark.subprocess
-def test_a_finished_build_runs_no_ninja(tmp_path, stub_csrc, finished_build):
+def test_a_finished_build_runs_no_ninja(fresh_python, tmp_path, stub_csrc, finished_build):
     """torch's loader runs ninja in every new process; another ninja on PATH (a venv's against the system's) or
     another checkout of the same sources then rebuilt everything. A finished build is now imported as it is."""
     import shutil
@@ -286,7 +288,7 @@ def test_a_finished_build_runs_no_ninja(tmp_path, stub_csrc, finished_build):
     ninja.chmod(0o755)
     env = {"HF_MOE_CACHE": str(cache), "HF_MOE_BACKEND": "compiled",
            "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    result = _run(env, _with_sources(stub_csrc, _LOAD))
+    result = _run(fresh_python, env, _with_sources(stub_csrc, _LOAD))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == f"built in {cache / 'ext' / finished_build.name}"
     assert not (tmp_path / "ninja-ran").exists()
@@ -322,14 +324,14 @@ def test_the_shared_temp_dir_is_used_only_when_private(tmp_path, monkeypatch):
 
 
 @pytest.mark.subprocess
-def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(tmp_path, stub_csrc):
+def test_a_failed_cache_runs_the_torch_ops_and_says_how_to_fix_it(fresh_python, tmp_path, stub_csrc):
     """No usable cache (no $HOME, an unsafe temp dir) for sources that need a build (the stub's: a prebuilt
     hf_moe._C is stale for them): one warning naming HF_MOE_CACHE, and the pure-torch ops, not a build in every
     process."""
     env = _no_home_env(tmp_path)
     (tmp_path / "tmp" / f"hf_moe-{os.getuid()}").mkdir(mode=0o777)
     os.chmod(tmp_path / "tmp" / f"hf_moe-{os.getuid()}", 0o777)
-    result = _run(env, _with_sources(stub_csrc, _RUN))
+    result = _run(fresh_python, env, _with_sources(stub_csrc, _RUN))
     assert result.returncode == 0, result.stderr
     assert "backend: torch" in result.stdout and "set HF_MOE_CACHE to a writable directory" in result.stderr
     assert "compiling" not in result.stderr

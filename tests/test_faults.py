@@ -1,7 +1,8 @@
 """Fault injection: no kill point and no failing filesystem leaves OUT damaged or staging behind.
 
 The writers: `save_pretrained`, `hf-moe convert` (streaming, the tokenizer included), the DCP training state
-(`save_training_state`) and `export_native` (without its check, which only reads). Each writes a new state over an old one in OUT, and is
+(`save_training_state`) and `export_native` (without its check, which only reads). Each writes a new state over an
+old one in OUT, and is
   * killed with SIGKILL before EVERY step of its run, one run per step: a step is a call that can change what is on
     disk (an os function that creates, writes, renames, links or removes; a write, flush or close of a file object;
     the file writers of safetensors and torch) or a call or return of a function of the commit (its directory swap

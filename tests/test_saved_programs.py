@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -54,10 +53,9 @@ _LOAD = textwrap.dedent(
 )
 
 
-def _run(code: str, *args: str, backend: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_MOE_BACKEND": backend}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+def _run(fresh_python, code: str, *args: str, backend: str) -> subprocess.CompletedProcess:
+    """`code` in a process that has not imported hf_moe, under HF_MOE_BACKEND=backend."""
+    return fresh_python.run(code, *args, env={**os.environ, "HF_MOE_BACKEND": backend}, cwd=ROOT, timeout=900)
 
 
 CASES = [
@@ -69,7 +67,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def saved_programs(request, tmp_path_factory) -> dict[tuple[str, str], dict[str, str]]:
+def saved_programs(fresh_python, request, tmp_path_factory) -> dict[tuple[str, str], dict[str, str]]:
     """{(which, backend): {"saved": the saving process's line, "loaded": the loading process's line under that
     backend, "pure": (backend auto) the line of a loading process under HF_MOE_BACKEND=torch}} for every case this
     session runs, each program saved in one process per backend and loaded in a fresh process per backend."""
@@ -82,7 +80,7 @@ def saved_programs(request, tmp_path_factory) -> dict[tuple[str, str], dict[str,
     lines: dict[str, str] = {}
 
     def run(code, args, backend):
-        done = _run(code, *args, backend=backend)
+        done = _run(fresh_python, code, *args, backend=backend)
         assert done.returncode == 0, done.stderr[-4000:]
         for line in done.stdout.splitlines():
             key = line.split(" ", 1)[0]
@@ -115,7 +113,7 @@ def test_saved_program_loads_in_a_fresh_process(which, backend, op, saved_progra
 
 @pytest.mark.subprocess
 @pytest.mark.oldest
-def test_import_defines_every_op_without_building():
+def test_import_defines_every_op_without_building(fresh_python):
     """After `import hf_moe`, with HF_MOE_BACKEND=torch (nothing may be built), every op of the three namespaces
     resolves, with a schema; triton is not needed to define the Triton ones. (The inference op moe_experts_infer has
     no Triton twin, nor do the decode step's ops, linear_infer and decode_attention_block.)"""
@@ -134,6 +132,6 @@ def test_import_defines_every_op_without_building():
             print(name, getattr(getattr(torch.ops, ns), op).default._schema)
         """
     )
-    done = _run(code, backend="torch")
+    done = _run(fresh_python, code, backend="torch")
     assert done.returncode == 0, done.stderr[-4000:]
     assert len(done.stdout.splitlines()) == 12 + 2 + 9, done.stdout  # (CPU-only ops have no Triton twin)

@@ -121,13 +121,13 @@ def test_native_output_loads_in_transformers_and_generates(tmp_path, calib, mode
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_native_output_loads_without_hf_moe(tmp_path, calib):
+def test_native_output_loads_without_hf_moe(tmp_path, calib, fresh_python):
     source = _native_dir(tmp_path, "mixtral")
     hf_moe.shrink(source, tmp_path / "out", 2, "random", progress=False)
     code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
             f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'out')!r}); "
             "assert 'hf_moe' not in sys.modules; print(type(m).__name__, m.config.num_local_experts)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = fresh_python.run(code, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["MixtralForCausalLM", "2"]
 

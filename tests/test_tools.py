@@ -37,13 +37,10 @@ LORA = dict(
 )
 
 
-def _fresh(code: str, timeout: int = 300) -> str:
-    """Run `code` in a new Python process (which imports hf_moe itself, where it does); its stdout. Fails with its
-    stderr. stdin is closed, so a trust_remote_code prompt answers "no" instead of waiting."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-    )
+def _fresh(fresh_python, code: str, timeout: int = 300) -> str:
+    """Run `code` in a process that has not imported hf_moe (which imports it itself, where it does); its stdout.
+    Fails with its stderr. stdin is /dev/null, so a trust_remote_code prompt answers "no" instead of waiting."""
+    result = fresh_python.run(textwrap.dedent(code), timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
 
@@ -274,12 +271,12 @@ def adapters(saved, tmp_path_factory):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_auto_peft_model_with_task_type_in_a_fresh_process(adapters):
+def test_auto_peft_model_with_task_type_in_a_fresh_process(fresh_python, adapters):
     """With task_type="CAUSAL_LM", AutoPeftModelForCausalLM loads the base through AutoModelForCausalLM: in a
     process that never imported hf_moe its model type is unknown (the error names it); after `import hf_moe` it
     loads."""
     root = adapters
-    _fresh(f"""
+    _fresh(fresh_python, f"""
         import sys, torch
         from peft import AutoPeftModelForCausalLM
         try:
@@ -301,7 +298,7 @@ def test_auto_peft_model_with_task_type_in_a_fresh_process(adapters):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_auto_peft_model_without_task_type_needs_import_allowlist(adapters):
+def test_auto_peft_model_without_task_type_needs_import_allowlist(fresh_python, adapters):
     """Saved without task_type, an adapter records the base class's module (`hf_moe.modeling`), and PEFT refuses to
     import a library outside its allowlist: its own safeguard. The documented way is `import_allowlist=["hf_moe"]`
     (then PEFT imports hf_moe itself, and trust_remote_code is not needed)."""
@@ -309,7 +306,7 @@ def test_auto_peft_model_without_task_type_needs_import_allowlist(adapters):
     config = json.loads((root / "no_task_type" / "adapter_config.json").read_text())
     assert config["task_type"] is None
     assert config["auto_mapping"] == {"base_model_class": "MoELlamaForCausalLM", "parent_library": "hf_moe.modeling"}
-    _fresh(f"""
+    _fresh(fresh_python, f"""
         import sys, torch
         from peft import AutoPeftModelForCausalLM
         try:
@@ -383,13 +380,13 @@ REQUESTS = [("the quick", " brown fox"), ("a mixture of", " experts"), ("", "spa
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_lm_eval_hflm_loglikelihood_by_path_in_a_fresh_process(saved, tmp_path):
+def test_lm_eval_hflm_loglikelihood_by_path_in_a_fresh_process(fresh_python, saved, tmp_path):
     """lm-eval builds the model from the path, in a process that imported hf_moe (in one that did not, transformers
     does not know the model type: docs/tools.md says how to run its command line); its log-likelihoods equal the
     model's own."""
     pytest.importorskip("lm_eval")
     out = tmp_path / "loglikelihood.json"
-    _fresh(f"""
+    _fresh(fresh_python, f"""
         import json, sys
         from lm_eval.api.instance import Instance
         from lm_eval.models.huggingface import HFLM
@@ -425,11 +422,11 @@ def test_pipeline_text_generation_after_import(saved):
 
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_pipeline_text_generation_in_a_fresh_process(saved, tmp_path):
+def test_pipeline_text_generation_in_a_fresh_process(fresh_python, saved, tmp_path):
     """Without `import hf_moe`, pipeline(...) (trust_remote_code=True too) is an error that names the model type
     `hf_moe`; in the same process after `import hf_moe`, it generates the model's greedy tokens."""
     out = tmp_path / "tokens.json"
-    _fresh(f"""
+    _fresh(fresh_python, f"""
         import json, sys
         from transformers import pipeline
         try:

@@ -1,0 +1,80 @@
+"""`python -c CODE` for the tests that need a process hf_moe has not been imported into, at a fraction of a
+fresh interpreter's cost (the `fresh_python` fixture of conftest.py).
+
+Such a process spent most of its time importing transformers' model code (about 8 s of CPU on a 2-core machine, and
+the suite started some forty). Here the child is forked from a server (readme_zygote) that has imported torch and
+transformers' model code, and nothing of hf_moe: what hf_moe does at import and on first use (registering its
+classes, choosing and loading its backend, reading HF_MOE_* variables) happens in the child, as in a fresh process.
+
+A fork stands in for a fresh interpreter only where it cannot differ, so a run goes to a fresh interpreter when:
+  * its environment differs from the server's in anything but hf_moe's own variables and the compilers (HF_MOE_*,
+    CC, CXX: read when hf_moe builds, after the fork; torch, transformers and huggingface_hub read others at import);
+  * the server cannot fork (a thread is running) or has not started.
+It is not for what a fork would measure or hide: peak memory (the server's pages count in the child's), interpreter
+options (-W, -X), or what torch and transformers do at import.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from readme_zygote import Zygote, ZygoteRefused
+
+ROOT = Path(__file__).resolve().parents[1]
+PRELOAD = ["import transformers.modeling_utils"]  # (and torch, which it imports)
+_IGNORED = {"PYTEST_CURRENT_TEST"}  # pytest's, per test; nothing here reads it
+
+
+def _read_after_the_fork(name: str) -> bool:
+    """Whether nothing the server imported reads the variable `name` (hf_moe's own, and the compilers of its build)."""
+    return name.startswith("HF_MOE_") or name in ("CC", "CXX")
+
+
+class FreshPython:
+    """`run(code, *args, env=None, cwd=ROOT, timeout=600)`: what `subprocess.run([python, "-c", code, *args],
+    capture_output=True, text=True, ...)` returns (stdout and stderr apart, stdin /dev/null), or raises
+    (subprocess.TimeoutExpired)."""
+
+    def __init__(self, folder: Path):
+        self._folder, self._server, self._baseline, self._runs = folder, None, None, 0
+        self.forked = 0  # runs that were forked (the others ran fresh)
+
+    def run(self, code: str, *args, env: dict[str, str] | None = None, cwd: str | Path = ROOT,
+            timeout: float = 600) -> subprocess.CompletedProcess:
+        env = dict(os.environ if env is None else env)
+        argv = [sys.executable, "-c", code, *map(str, args)]
+        if self._forkable(env):
+            try:
+                return self._forked(argv, env, cwd, timeout)
+            except ZygoteRefused:
+                pass
+        return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+    def _forkable(self, env: dict[str, str]) -> bool:
+        if self._server is None:
+            self._baseline = {k: v for k, v in os.environ.items() if k not in _IGNORED}
+            self._server = Zygote(PRELOAD, self._baseline, str(self._folder / "server.log"))
+        differ = {k for k in env.keys() | self._baseline.keys() if env.get(k) != self._baseline.get(k)} - _IGNORED
+        return all(_read_after_the_fork(k) for k in differ)
+
+    def _forked(self, argv: list[str], env: dict[str, str], cwd, timeout: float) -> subprocess.CompletedProcess:
+        self._runs += 1
+        output, errors = (self._folder / f"{self._runs}.{name}" for name in ("out", "err"))
+        request = {"code": argv[2], "args": argv[3:], "cwd": str(cwd), "env": env, "output": str(output),
+                   "errors": str(errors)}
+        status = self._server.request(request, timeout)
+        out, err = output.read_text(), errors.read_text()
+        output.unlink()
+        errors.unlink()
+        if status is None:
+            raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err)
+        self.forked += 1
+        return subprocess.CompletedProcess(argv, status, out, err)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
