@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -129,3 +130,24 @@ def test_which_blocks_fork_and_what_the_server_imports():
     assert zygote_imports([plain, sets_env, skipped, broken, plain]) == [
         "import hf_moe", "import torch", "from transformers import AutoConfig as C", "import json",
     ]
+
+
+@pytest.mark.subprocess
+def test_fresh_python_forks_what_cannot_differ_and_runs_the_rest_fresh(fresh_python, tmp_path):
+    """tests/fresh_python.py: `python -c` with stdout and stderr apart, its exit status and arguments; forked (the
+    server's transformers already imported, hf_moe not) when only HF_MOE_* differs, fresh when anything else does;
+    a timeout raises as subprocess.run's does."""
+    code = ("import os, sys\nprint(sys.argv, sys.path[0] == '', os.getcwd(), os.environ.get('HF_MOE_X'),\n"
+            "      'transformers.modeling_utils' in sys.modules, 'hf_moe' in sys.modules)\n"
+            "print('to stderr', file=sys.stderr)\nsys.exit(4)\n")
+    forked_before = fresh_python.forked
+    forked = fresh_python.run(code, "a", 2, env={**os.environ, "HF_MOE_X": "1"}, cwd=tmp_path)
+    assert fresh_python.forked == forked_before + 1
+    assert (forked.returncode, forked.stderr) == (4, "to stderr\n")
+    assert forked.stdout == f"['-c', 'a', '2'] True {tmp_path} 1 True False\n"
+    fresh = fresh_python.run(code, "a", env={**os.environ, "HF_MOE_X": "1", "SOME_OTHER": "1"}, cwd=tmp_path)
+    assert fresh_python.forked == forked_before + 1
+    assert (fresh.returncode, fresh.stderr) == (4, "to stderr\n")
+    assert fresh.stdout == f"['-c', 'a'] True {tmp_path} 1 False False\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        fresh_python.run("import time; time.sleep(60)", timeout=2)
