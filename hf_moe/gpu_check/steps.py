@@ -103,10 +103,11 @@ def launch_records(path: Path) -> tuple[dict[str, int], dict[str, str]]:
 def xdist_workers(smoke: bool) -> int:
     """pytest-xdist processes for the kernel tests on a GPU, one per two cores, at most 8: in one process they take
     minutes (docs/backends.md; Triton compiles every kernel and autotune configuration on the host, which workers
-    spread over its cores). 0 under --smoke (a few quick tests) or without pytest-xdist."""
-    if smoke or importlib.util.find_spec("xdist") is None:
+    spread over its cores). 2 under --smoke (a few quick tests, on the workers' code path: their launch counts are
+    summed as on a GPU). 0 without pytest-xdist."""
+    if importlib.util.find_spec("xdist") is None:
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return 2 if smoke else max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _summary_line(out: str) -> str:
@@ -149,8 +150,9 @@ def step_triton_tests(step, smoke: bool, limit: float) -> None:
     env = {"HF_MOE_BACKEND": "triton"}
     workers = xdist_workers(smoke)
     status, out, launches, fell_back = _pytest(select, limit - MARGIN, env=env, workers=workers)
-    where = "CPU tensors under TRITON_INTERPRET=1 (--smoke: a few quick tests)" if smoke else \
-        f"CUDA, no interpreter, {f'{workers} pytest-xdist workers' if workers else 'one process'}"
+    processes = f"{workers} pytest-xdist workers" if workers else "one process"
+    where = f"CPU tensors under TRITON_INTERPRET=1 (--smoke: a few quick tests), {processes}" if smoke else \
+        f"CUDA, no interpreter, {processes}"
     step.fell_back.update(fell_back)
     step.data = dict(where=where, select=select, exit_status=status, launches=launches, output=out[-20000:])
     files = (TRITON_TESTS / TRITON_FILES).relative_to(ROOT)
