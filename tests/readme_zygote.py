@@ -13,9 +13,10 @@ started by the first large op) or any Python thread makes the server refuse, and
 interpreter. Which blocks may not come here at all is the caller's rule (`forkable` in test_readme.py).
 
 Run as `python readme_zygote.py [--commands DIR] STATEMENT...`: runs the import statements (`serve`), says
-`{"ready": ...}` on stdout, then serves one JSON request per line on stdin: {"script", "cwd", "env", "output"} ->
-{"pid": ...} when the child starts, then {"status": ...} when it ends (os.waitstatus_to_exitcode: negative for a
-signal), or {"refused": why} instead of both.
+`{"ready": ...}` on stdout, then serves one JSON request per line on stdin: {"script" (or "module", or "code" as
+`python -c` runs it), "args", "cwd", "env", "output", and "errors" for stderr apart from stdout} -> {"pid": ...}
+when the child starts, then {"status": ...} when it ends (os.waitstatus_to_exitcode: negative for a signal), or
+{"refused": why} instead of both. tests/fresh_python.py and tests/dist/launch.py use the same child.
 
 The ```bash blocks' commands come here too. With `--commands DIR`, DIR holds stand-ins for `hf-moe` and `python`
 (`Zygote.command_env` puts it first on PATH) and the server's socket. A stand-in sends its argv, cwd, environment and
@@ -84,11 +85,12 @@ def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None =
     os.setsid()
     for end in closing:
         end.close()
-    if streams is None:  # stderr into request["errors"] if given, else with stdout
+    if streams is None:
         null = os.open(os.devnull, os.O_RDONLY)
-        output, errors = (os.open(request[key], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if key in request
-                          else None for key in ("output", "errors"))
-        streams = (null, output, output if errors is None else errors)
+        output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        errors = os.open(request["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if "errors" in request \
+            else output
+        streams = (null, output, errors)
     for target, fd in enumerate(streams):
         os.dup2(fd, target)
     for fd in set(streams) - {0, 1, 2}:
