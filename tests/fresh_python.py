@@ -9,7 +9,7 @@ classes, choosing and loading its backend, reading HF_MOE_* variables) happens i
 A fork stands in for a fresh interpreter only where it cannot differ, so a run goes to a fresh interpreter when:
   * its environment differs from the server's in anything but hf_moe's own variables and the compilers (HF_MOE_*,
     CC, CXX: read when hf_moe builds, after the fork; torch, transformers and huggingface_hub read others at import);
-  * the server cannot fork (a thread is running) or has not started.
+  * the server cannot fork (it runs a thread: `readme_zygote.why_not_fork`).
 It is not for what a fork would measure or hide: peak memory (the server's pages count in the child's), interpreter
 options (-W, -X), or what torch and transformers do at import.
 """
