@@ -59,8 +59,8 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 "
 # The tests marked `oldest` (the transformers internals, then the device's own concerns: the Triton kernels (the
 # interpreter and the sm90 compiler), expert parallelism x FSDP2 (DTensor, DCP), torch.export programs) and
-# `gpu_versions` (gpu_check --smoke, first_light.sh, the kernel tests on xdist workers and the sm90 compile of every
-# Triton kernel, which run only here). Not marked: what does not depend on these versions and runs in the main suite
+# `gpu_versions` (gpu_check --smoke, whose kernel tests run on xdist workers as on the GPU, first_light.sh and the
+# sm90 compile of every Triton kernel, which run only here). Not marked: what does not depend on these versions and runs in the main suite
 # (gpu_check's runner and fallback tests, the two Triton tests that build the C++ extension, the saved programs of the
 # compiled backend, the DDP and launcher tests), tests/test_compile.py (parts of it fail on torch 2.11:
 # docs/compatibility.md, known limits), and every kernel test under triton 3.6's interpreter (two minutes): the GPU

@@ -9,8 +9,6 @@ ops; torch.onnx.export decomposes them (hf_moe/ops/decompositions.py, tested op 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -63,7 +61,7 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def onnx_runs(request, tmp_path_factory) -> dict[tuple[str, str], list[str]]:
+def onnx_runs(request, tmp_path_factory, fresh_python) -> dict[tuple[str, str], list[str]]:
     """{(which, backend): the lines _SCRIPT printed for that model} for every case this session runs."""
     selected = {(item.callspec.params["which"], item.callspec.params["backend"]) for item in request.session.items
                 if item.originalname == "test_onnx_export_runs_in_onnxruntime"}
@@ -72,9 +70,8 @@ def onnx_runs(request, tmp_path_factory) -> dict[tuple[str, str], list[str]]:
     for backend in sorted({backend for _, backend in selected}):
         models = sorted(which for which, b in selected if b == backend)
         args = [a for which in models for a in (which, str(out / f"{which}-{backend}.onnx"))]
-        env = {**os.environ, "HF_MOE_BACKEND": backend}
-        done = subprocess.run([sys.executable, "-c", _SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
+        done = fresh_python.run(_SCRIPT, *args, env={**os.environ, "HF_MOE_BACKEND": backend}, cwd=ROOT,
+                                timeout=900)
         assert done.returncode == 0, done.stderr[-5000:]
         for which in models:
             found[(which, backend)] = [line.split(" ", 1)[1] for line in done.stdout.splitlines()
