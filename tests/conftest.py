@@ -87,11 +87,16 @@ WORKER_THREADS = (max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]
                   if os.environ.get("PYTEST_XDIST_WORKER_COUNT") else None)
 
 
+# The environment when the session starts, before any test or library changes it: what `fresh_python` runs under.
+SESSION_ENV = pytest.StashKey[dict]()
+
+
 def pytest_configure(config):
     if WORKER_THREADS is not None:
         torch.set_num_threads(WORKER_THREADS)
         # The processes tests start (CLIs, README blocks, launchers) share the worker's cores too.
         os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+    config.stash[SESSION_ENV] = dict(os.environ)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -392,11 +397,12 @@ def plans(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def fresh_python(tmp_path_factory):
-    """`fresh_python.run(code, *args, env=..., cwd=..., timeout=...)`: `python -c CODE ARGS` in a process hf_moe has
-    not been imported into, forked where that cannot differ from a fresh interpreter (tests/fresh_python.py)."""
+def fresh_python(request, tmp_path_factory):
+    """`fresh_python.run(code, *args, set_env=..., cwd=..., timeout=...)`: `python -c CODE ARGS` in a process hf_moe
+    has not been imported into, under the session's starting environment and `set_env`, forked where that cannot
+    differ from a fresh interpreter (tests/fresh_python.py)."""
     from fresh_python import FreshPython
 
-    runner = FreshPython(tmp_path_factory.mktemp("fresh_python"))
+    runner = FreshPython(tmp_path_factory.mktemp("fresh_python"), request.config.stash[SESSION_ENV])
     yield runner
     runner.close()

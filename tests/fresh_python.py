@@ -6,9 +6,11 @@ the suite started some forty). Here the child is forked from a server (readme_zy
 transformers' model code, and nothing of hf_moe: what hf_moe does at import and on first use (registering its
 classes, choosing and loading its backend, reading HF_MOE_* variables) happens in the child, as in a fresh process.
 
-A fork stands in for a fresh interpreter only where it cannot differ, so a run goes to a fresh interpreter when:
-  * its environment differs from the server's in anything but hf_moe's own variables and the compilers (HF_MOE_*,
-    CC, CXX: read when hf_moe builds, after the fork; torch, transformers and huggingface_hub read others at import);
+A run's environment is the session's when it started (before a test or a library it runs changed os.environ; the
+server's too) with the run's `set_env` on top. A fork stands in for a fresh interpreter only where it cannot differ,
+so a run goes to a fresh interpreter when:
+  * `set_env` changes anything but hf_moe's own variables and the compilers (HF_MOE_*, CC, CXX: read when hf_moe
+    builds, after the fork; torch, transformers and huggingface_hub read others at import);
   * the server cannot fork (it runs a thread: `readme_zygote.why_not_fork`).
 It is not for what a fork would measure or hide: peak memory (the server's pages count in the child's), interpreter
 options (-W, -X), or what torch and transformers do at import.
@@ -16,7 +18,6 @@ options (-W, -X), or what torch and transformers do at import.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,6 @@ from readme_zygote import Zygote, ZygoteRefused
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ["import transformers.modeling_utils"]  # (and torch, which it imports)
-_IGNORED = {"PYTEST_CURRENT_TEST"}  # pytest's, per test; nothing here reads it
 
 
 def _read_after_the_fork(name: str) -> bool:
@@ -34,32 +34,27 @@ def _read_after_the_fork(name: str) -> bool:
 
 
 class FreshPython:
-    """`run(code, *args, env=None, cwd=ROOT, timeout=600)`: what `subprocess.run([python, "-c", code, *args],
-    capture_output=True, text=True, ...)` returns (stdout and stderr apart, stdin /dev/null), or raises
-    (subprocess.TimeoutExpired)."""
+    """`run(code, *args, set_env=None, cwd=ROOT, timeout=600)`: what `subprocess.run([python, "-c", code, *args],
+    env=baseline | set_env, capture_output=True, text=True, ...)` returns (stdout and stderr apart, stdin /dev/null),
+    or raises (subprocess.TimeoutExpired). `baseline`: the session's environment at its start."""
 
-    def __init__(self, folder: Path):
-        self._folder, self._server, self._baseline, self._runs = folder, None, None, 0
+    def __init__(self, folder: Path, baseline: dict[str, str]):
+        self._folder, self._baseline, self._server, self._runs = folder, dict(baseline), None, 0
         self.forked = 0  # runs that were forked (the others ran fresh)
 
-    def run(self, code: str, *args, env: dict[str, str] | None = None, cwd: str | Path = ROOT,
+    def run(self, code: str, *args, set_env: dict[str, str] | None = None, cwd: str | Path = ROOT,
             timeout: float = 600) -> subprocess.CompletedProcess:
-        env = dict(os.environ if env is None else env)
+        env = {**self._baseline, **(set_env or {})}
         argv = [sys.executable, "-c", code, *map(str, args)]
-        if self._forkable(env):
+        if all(_read_after_the_fork(k) for k, v in (set_env or {}).items() if self._baseline.get(k) != v):
+            if self._server is None:
+                self._server = Zygote(PRELOAD, self._baseline, str(self._folder / "server.log"))
             try:
                 return self._forked(argv, env, cwd, timeout)
             except ZygoteRefused:
                 pass
         return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,
                               stdin=subprocess.DEVNULL)
-
-    def _forkable(self, env: dict[str, str]) -> bool:
-        if self._server is None:
-            self._baseline = {k: v for k, v in os.environ.items() if k not in _IGNORED}
-            self._server = Zygote(PRELOAD, self._baseline, str(self._folder / "server.log"))
-        differ = {k for k in env.keys() | self._baseline.keys() if env.get(k) != self._baseline.get(k)} - _IGNORED
-        return all(_read_after_the_fork(k) for k in differ)
 
     def _forked(self, argv: list[str], env: dict[str, str], cwd, timeout: float) -> subprocess.CompletedProcess:
         self._runs += 1

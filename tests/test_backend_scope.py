@@ -3,7 +3,6 @@ changed HF_MOE_BACKEND is honoured by the next call, not ignored because an earl
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -77,6 +76,6 @@ print(dispatch_ops(cpu, "silu").name, load_extension()[1].how)
 os.environ["HF_MOE_BACKEND"] = "auto"
 print(dispatch_ops(cpu, "silu").name)
 """
-    result = fresh_python.run(code, cwd=ROOT, timeout=600, env={**os.environ, "HF_MOE_BACKEND": "torch"})
+    result = fresh_python.run(code, cwd=ROOT, timeout=600, set_env={"HF_MOE_BACKEND": "torch"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines() == ["torch disabled by HF_MOE_BACKEND=torch", "compiled"]

@@ -36,8 +36,8 @@ print("backend:", dispatch_ops(torch.device("cpu"), "silu").name)
 
 
 def _run(fresh_python, env: dict, code: str = _RUN) -> subprocess.CompletedProcess:
-    """`code` in a process that has not imported hf_moe, whose environment is this one's updated with `env`."""
-    return fresh_python.run(code, env={**os.environ, **env}, cwd=ROOT, timeout=600)
+    """`code` in a process that has not imported hf_moe, with the variables `env` sets."""
+    return fresh_python.run(code, set_env=env, cwd=ROOT, timeout=600)
 
 
 def test_compiled_backend_is_active_here():

@@ -8,7 +8,6 @@ ops; torch.onnx.export decomposes them (hf_moe/ops/decompositions.py, tested op 
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
@@ -70,7 +69,7 @@ def onnx_runs(request, tmp_path_factory, fresh_python) -> dict[tuple[str, str], 
     for backend in sorted({backend for _, backend in selected}):
         models = sorted(which for which, b in selected if b == backend)
         args = [a for which in models for a in (which, str(out / f"{which}-{backend}.onnx"))]
-        done = fresh_python.run(_SCRIPT, *args, env={**os.environ, "HF_MOE_BACKEND": backend}, cwd=ROOT,
+        done = fresh_python.run(_SCRIPT, *args, set_env={"HF_MOE_BACKEND": backend}, cwd=ROOT,
                                 timeout=900)
         assert done.returncode == 0, done.stderr[-5000:]
         for which in models:

@@ -141,11 +141,11 @@ def test_fresh_python_forks_what_cannot_differ_and_runs_the_rest_fresh(fresh_pyt
             "      'transformers.modeling_utils' in sys.modules, 'hf_moe' in sys.modules)\n"
             "print('to stderr', file=sys.stderr)\nsys.exit(4)\n")
     forked_before = fresh_python.forked
-    forked = fresh_python.run(code, "a", 2, env={**os.environ, "HF_MOE_X": "1"}, cwd=tmp_path)
+    forked = fresh_python.run(code, "a", 2, set_env={"HF_MOE_X": "1"}, cwd=tmp_path)
     assert fresh_python.forked == forked_before + 1
     assert (forked.returncode, forked.stderr) == (4, "to stderr\n")
     assert forked.stdout == f"['-c', 'a', '2'] True {tmp_path} 1 True False\n"
-    fresh = fresh_python.run(code, "a", env={**os.environ, "HF_MOE_X": "1", "SOME_OTHER": "1"}, cwd=tmp_path)
+    fresh = fresh_python.run(code, "a", set_env={"HF_MOE_X": "1", "SOME_OTHER": "1"}, cwd=tmp_path)
     assert fresh_python.forked == forked_before + 1
     assert (fresh.returncode, fresh.stderr) == (4, "to stderr\n")
     assert fresh.stdout == f"['-c', 'a'] True {tmp_path} 1 False False\n"

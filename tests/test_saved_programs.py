@@ -3,7 +3,6 @@ after that import alone, and gives the outputs it gave when saved (hf_moe/ops/li
 
 from __future__ import annotations
 
-import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -55,7 +54,7 @@ _LOAD = textwrap.dedent(
 
 def _run(fresh_python, code: str, *args: str, backend: str) -> subprocess.CompletedProcess:
     """`code` in a process that has not imported hf_moe, under HF_MOE_BACKEND=backend."""
-    return fresh_python.run(code, *args, env={**os.environ, "HF_MOE_BACKEND": backend}, cwd=ROOT, timeout=900)
+    return fresh_python.run(code, *args, set_env={"HF_MOE_BACKEND": backend}, cwd=ROOT, timeout=900)
 
 
 CASES = [
