@@ -151,7 +151,8 @@ def _is_step(event: str, frame, arg) -> str | None:
 
 
 def _in_read_opener(frame) -> bool:
-    return (frame.f_code.co_filename, frame.f_code.co_name) == READ_OPENER
+    """(The name first: it is compared on every C call, and it rarely matches.)"""
+    return frame.f_code.co_name == READ_OPENER[1] and frame.f_code.co_filename == READ_OPENER[0]
 
 
 class Markers:
@@ -175,8 +176,7 @@ class Markers:
 
     def __call__(self, frame, event, arg):
         if event == "c_call":
-            if frame.f_code.co_name == READ_OPENER[1] and _in_read_opener(frame) and isinstance(
-                    frame.f_locals.get("fd"), int):
+            if _in_read_opener(frame) and isinstance(frame.f_locals.get("fd"), int):
                 self.read_fds.add(frame.f_locals["fd"])  # (open_fd's checks of the descriptor it just opened)
             if getattr(arg, "__name__", "") not in C_STEP_NAMES:
                 return
