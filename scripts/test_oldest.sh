@@ -59,19 +59,19 @@ print('test_oldest: import hf_moe from', hf_moe.__file__, 'on', ', '.join(got))
 "
 # The tests marked `oldest` (the transformers internals, then the device's own concerns: the Triton kernels (the
 # interpreter and the sm90 compiler), expert parallelism x FSDP2 (DTensor, DCP), torch.export programs) and
-# `gpu_versions` (gpu_check --smoke, whose kernel tests run on xdist workers as on the GPU, first_light.sh and the
-# sm90 compile of every Triton kernel, which run only here). Not marked: what does not depend on these versions and runs in the main suite
-# (gpu_check's runner and fallback tests, the two Triton tests that build the C++ extension, the saved programs of the
-# compiled backend, the DDP and launcher tests), tests/test_compile.py (parts of it fail on torch 2.11:
+# `gpu_versions` (gpu_check --smoke, whose kernel tests run on xdist workers as on the GPU, first_light.sh and the sm90
+# compile of every Triton kernel, which run only here). Not marked: what does not depend on these versions and runs in
+# the main suite (gpu_check's runner and fallback tests, the two Triton tests that build the C++ extension, the saved
+# programs of the compiled backend, the DDP and launcher tests), tests/test_compile.py (parts of it fail on torch 2.11:
 # docs/compatibility.md, known limits), and every kernel test under triton 3.6's interpreter (two minutes): the GPU
 # compiles the kernels, which test_every_kernel_compiles_for_sm90 does here with triton 3.6's own front end and
 # compiler, and gpu_check --smoke runs the interpreter on these versions; the main suite runs every kernel test under
-# the interpreter (triton 3.9). Only the files that mark a test so are collected: the others import packages this
-# venv does not have (peft, trl, onnx, ...).
+# the interpreter (triton 3.9). Only the files that mark a test so are collected: the others import packages this venv
+# does not have (peft, trl, onnx, ...).
 # Of the `oldest` tests marked slow, this lane keeps those that launch processes, compile or run distributed (the
 # versions' internals they reach change most between releases) and leaves the slow repetitions of one check over
-# variants (every family's upcycling, every router's training run) to the main suite: their fast representatives
-# run here, and the lane stays a few minutes (benchmarks/results/test_durations.txt).
+# variants (every family's upcycling, every router's training run) to the main suite: their fast representatives run
+# here, and the lane stays a few minutes (benchmarks/results/test_durations.txt).
 mapfile -t FILES < <(grep -l -E "pytest\.mark\.(oldest|gpu_versions)" tests/test_*.py)
 HF_MOE_BACKEND=torch "$PY" -m pytest -q -p no:cacheprovider -n "${HF_MOE_TEST_WORKERS:-2}" --dist worksteal \
     -m "(oldest and (not slow or distributed or compile or subprocess)) or gpu_versions" "${FILES[@]}" "$@"
