@@ -2,16 +2,17 @@
 fresh interpreter's cost (the `fresh_python` fixture of conftest.py).
 
 Such a process spent most of its time importing transformers' model code (about 8 s of CPU on a 2-core machine, and
-the suite started some forty). Here the child is forked from a server (readme_zygote) that has imported torch and
-transformers' model code, and nothing of hf_moe: what hf_moe does at import and on first use (registering its
-classes, choosing and loading its backend, reading HF_MOE_* variables) happens in the child, as in a fresh process.
+the suite started some forty). Here the child is forked from a server (hf_moe/forkserver.py, started by path) that
+has imported torch and transformers' model code, and nothing of hf_moe: what hf_moe does at import and on first use
+(registering its classes, choosing and loading its backend, reading HF_MOE_* variables) happens in the child, as in
+a fresh process.
 
 A run's environment is the session's when it started (before a test or a library it runs changed os.environ; the
 server's too) with the run's `set_env` on top. A fork stands in for a fresh interpreter only where it cannot differ,
 so a run goes to a fresh interpreter when:
   * `set_env` changes anything but hf_moe's own variables and the compilers (HF_MOE_*, CC, CXX: read when hf_moe
     builds, after the fork; torch, transformers and huggingface_hub read others at import);
-  * the server cannot fork (it runs a thread: `readme_zygote.why_not_fork`).
+  * the server cannot fork (it runs a thread: `forkserver.why_not_fork`).
 It is not for what a fork would measure or hide: peak memory (the server's pages count in the child's), interpreter
 options (-W, -X), or what torch and transformers do at import.
 """
@@ -22,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from readme_zygote import Zygote, ZygoteRefused
+from readme_zygote import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = ["import transformers.modeling_utils"]  # (and torch, which it imports)
@@ -48,10 +49,11 @@ class FreshPython:
         argv = [sys.executable, "-c", code, *map(str, args)]
         if all(_read_after_the_fork(k) for k, v in (set_env or {}).items() if self._baseline.get(k) != v):
             if self._server is None:
-                self._server = Zygote(PRELOAD, self._baseline, str(self._folder / "server.log"))
+                self._server = forkserver.ForkServer(PRELOAD, self._baseline, log=str(self._folder / "server.log"),
+                                                     new_session=True)
             try:
                 return self._forked(argv, env, cwd, timeout)
-            except ZygoteRefused:
+            except forkserver.Refused:
                 pass
         return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout,
                               stdin=subprocess.DEVNULL)

@@ -1,22 +1,7 @@
-"""A fork server for the README's ```python blocks: one process per test worker imports torch, transformers and hf_moe
-once, and each block runs in a child forked from it, as `python SCRIPT` would run it.
-
-Most blocks spend more time starting Python and importing hf_moe than running. The child is what a fresh interpreter
-would be after the same imports: its own session (so a timeout kills its whole process group), its own working
-directory, environment, `sys.argv` and `sys.path[0]`, stdin from /dev/null, stdout and stderr into one file, the block
-run as `__main__`; it ends as the interpreter would end it (non-daemon threads joined, atexit handlers run, an
-uncaught exception's traceback on stderr, `sys.exit`'s status), less the teardown of the modules the server imported.
-
-Fork copies only the calling thread. A child is forked only while the server runs no threads but OpenBLAS's idle
-pools (which re-create themselves after a fork through pthread_atfork): an OpenMP pool (torch's intra-op threads,
-started by the first large op) or any Python thread makes the server refuse, and the caller runs the block in a fresh
-interpreter. Which blocks may not come here at all is the caller's rule (`forkable` in test_readme.py).
-
-Run as `python readme_zygote.py [--commands DIR] STATEMENT...`: runs the import statements (`serve`), says
-`{"ready": ...}` on stdout, then serves one JSON request per line on stdin: {"script" (or "module", or "code" as
-`python -c` runs it), "args", "cwd", "env", "output", and "errors" for stderr apart from stdout} -> {"pid": ...}
-when the child starts, then {"status": ...} when it ends (os.waitstatus_to_exitcode: negative for a signal), or
-{"refused": why} instead of both. tests/fresh_python.py and tests/dist/launch.py use the same child.
+"""The fork server of the README's blocks (hf_moe/forkserver.py, with what only the README needs): one server per test
+worker imports torch, transformers and hf_moe once, and each ```python block runs in a child forked from it, as
+`python SCRIPT` would run it. Which blocks may not come here at all is the caller's rule (`forkable` in
+test_readme.py).
 
 The ```bash blocks' commands come here too. With `--commands DIR`, DIR holds stand-ins for `hf-moe` and `python`
 (`Zygote.command_env` puts it first on PATH) and the server's socket. A stand-in sends its argv, cwd, environment and
@@ -25,22 +10,39 @@ real program would (`hf-moe ...` as its console script, `python -m MODULE ...`, 
 streams; the stand-in exits with the child's status, and the child is killed if the stand-in dies first (a block's
 timeout kills its process group). Anything else, or an environment that differs from the server's (a variable read
 at import may differ), or a script that must run fresh (`needs_fresh`), the stand-in runs with the real program.
+
+Run as `python readme_zygote.py [--commands DIR] STATEMENT...`: runs the first import statement, then each other one
+whose package the first already imported (it warms their lazy attributes and submodules; other libraries, which may
+start threads of their own, are left to the blocks), then serves as hf_moe/forkserver.py does. tests/fresh_python.py
+and tests/dist/launch.py use the same module (`forkserver` here), which is loaded by path: it imports the standard
+library only, and a server of fresh_python must not import hf_moe.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import re
 import select
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-import types
+from pathlib import Path
+
+
+def _load_forkserver():
+    """hf_moe/forkserver.py as a module of its own (`import hf_moe.forkserver` would import the package first)."""
+    spec = importlib.util.spec_from_file_location(
+        "hf_moe_forkserver", Path(__file__).resolve().parents[1] / "hf_moe" / "forkserver.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+forkserver = sys.modules.get("hf_moe_forkserver") or _load_forkserver()
+Refused, why_not_fork = forkserver.Refused, forkserver.why_not_fork
 
 # What a script does before its own imports cannot reach modules the server imported before it: a script that sets
 # the environment (read at import: threads, offline switches, logging) runs fresh, and so does one that starts
@@ -58,105 +60,6 @@ def needs_fresh(code: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------- server
-def _openblas_threads() -> int:
-    """Worker threads OpenBLAS's pools may hold here: one pool per OpenBLAS library loaded, each with its thread count
-    less the caller (OPENBLAS_NUM_THREADS, else GOTO_NUM_THREADS, else OMP_NUM_THREADS, else the cores)."""
-    with open("/proc/self/maps") as maps:
-        libraries = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()}
-    names = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
-    wanted = next((os.environ[n] for n in names if os.environ.get(n, "").strip().isdigit()), None)
-    per_pool = min(int(wanted), os.cpu_count() or 1) if wanted else (os.cpu_count() or 1)
-    return len(libraries) * max(per_pool - 1, 0)
-
-
-def why_not_fork() -> str | None:
-    """None when forking is safe now, else why not."""
-    if threading.active_count() != 1:
-        return f"this process runs {threading.active_count()} Python threads"
-    threads, allowed = len(os.listdir("/proc/self/task")), 1 + _openblas_threads()
-    if threads > allowed:
-        return f"this process runs {threads} threads, more than its main thread and OpenBLAS's pools ({allowed})"
-    return None
-
-
-def _child(request: dict, closing: tuple, streams: tuple[int, int, int] | None = None) -> None:
-    """Become the request's process and run it (never returns). `streams`: the stand-in's stdin, stdout and stderr;
-    without them stdin is /dev/null and stdout and stderr go to request["output"]."""
-    os.setsid()
-    for end in closing:
-        end.close()
-    if streams is None:
-        null = os.open(os.devnull, os.O_RDONLY)
-        output = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        errors = os.open(request["errors"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if "errors" in request \
-            else output
-        streams = (null, output, errors)
-    for target, fd in enumerate(streams):
-        os.dup2(fd, target)
-    for fd in set(streams) - {0, 1, 2}:
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update({k: v for k, v in request["env"].items() if k != SERVER_VARIABLE})  # what it starts runs real
-    os._exit(run_as_main(request))
-
-
-def run_as_main(request: dict) -> int:
-    """Run request["module"] as `python -m MODULE ARGS` would, request["code"] as `python -c CODE ARGS`, or
-    request["script"] as `python SCRIPT ARGS` (a console script, too, is such a script), with request.get("args") as
-    its arguments, in this forked process; then end it as the interpreter would, less the teardown of the modules
-    imported before the fork. Returns the exit status, for `os._exit`."""
-    if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator itself; `random` reseeds after fork
-        sys.modules["numpy"].random.seed()
-
-    import atexit
-    import runpy
-
-    try:
-        if "module" in request:
-            sys.argv = ["-m", *request.get("args", [])]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        elif "code" in request:
-            sys.argv = ["-c", *request.get("args", [])]
-            sys.path[0] = ""
-            main = sys.modules["__main__"] = types.ModuleType("__main__")
-            exec(compile(request["code"], "<string>", "exec"), main.__dict__)
-        else:
-            script = request["script"]
-            sys.argv = [script, *request.get("args", [])]
-            sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
-        status = 0
-    except SystemExit as exit_:
-        status = _exit_status(exit_.code)
-    except BaseException:  # as the interpreter reports an uncaught exception
-        sys.excepthook(*sys.exc_info())
-        status = 1
-    # The interpreter's own shutdown, less the teardown of every module imported before the fork (seconds, and
-    # nothing a script can observe): non-daemon threads joined, atexit handlers run, the standard streams flushed.
-    while others := [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]:
-        for thread in others:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return status
-
-
-def _exit_status(code) -> int:
-    """The exit status of `sys.exit(code)`, as the interpreter computes it."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
 def _root(statement: str) -> str:
     """The top-level package an import statement imports from ("import a.b as c" and "from a.b import c": "a")."""
     node = ast.parse(statement).body[0]
@@ -222,8 +125,9 @@ def _serve_command(connection: socket.socket, baseline: dict[str, str], commands
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:
-        _child(request, (*closing, connection), tuple(fds))
+    if pid == 0:  # what the command starts runs the real programs
+        request["env"] = {k: v for k, v in request["env"].items() if k != SERVER_VARIABLE}
+        forkserver.become(request, (*closing, connection), tuple(fds))
     for fd in fds:  # else a reader of the command's pipe would never see it end
         os.close(fd)
     ended = os.pidfd_open(pid)
@@ -241,73 +145,27 @@ def _serve_command(connection: socket.socket, baseline: dict[str, str], commands
 
 
 def serve(imports: list[str], commands: str | None = None) -> None:
-    """Runs the first import statement, then each other one whose package the first already imported (it warms
-    their lazy attributes and submodules; other libraries, which may start threads of their own, are left to the
-    blocks), then serves requests (stdin, and stand-ins in the folder `commands`) until stdin closes."""
+    """Runs the first import statement, then each other one whose package the first already imported, then serves
+    requests (stdin, and the stand-ins in the folder `commands`) until stdin closes."""
     baseline = dict(os.environ)  # what the imports read
-    for k, statement in enumerate(imports):
-        if k and _root(statement) not in sys.modules:
-            continue
-        try:
-            exec(statement, {})
-        except Exception as error:  # a failing import fails again, with its message, in the block that has it
-            print(f"readme_zygote: {statement}: {error!r}", file=sys.stderr)
-    # The protocol moves off fds 0 and 1, so nothing a child inherits or prints can reach it.
-    reader, writer = os.fdopen(os.dup(0), "r"), os.fdopen(os.dup(1), "w")
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.dup2(2, 1)
-    listener = None
-    if commands is not None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(os.path.join(commands, "server.sock"))
-        listener.listen(8)
-    ours = (reader, writer) if listener is None else (reader, writer, listener)  # what a child closes first
-
-    def say(message: dict) -> None:
-        writer.write(json.dumps(message) + "\n")
-        writer.flush()
-
-    say({"ready": why_not_fork() or "ok"})
-    waiting = [reader] if listener is None else [reader, listener]
-    while True:
-        readable, _, _ = select.select(waiting, [], [])
-        if listener in readable:
-            connection, _ = listener.accept()
-            with connection:
-                _serve_command(connection, baseline, commands, ours)
-            continue
-        line = reader.readline()
-        if not line:
-            return
-        request = json.loads(line)
-        why = why_not_fork()
-        if why is not None:
-            say({"refused": why})
-            continue
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _child(request, ours)
-        say({"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        say({"status": os.waitstatus_to_exitcode(status)})
+    forkserver.preload(imports[:1])
+    forkserver.preload([statement for statement in imports[1:] if _root(statement) in sys.modules])
+    if commands is None:
+        return forkserver.serve()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(commands, "server.sock"))
+    listener.listen(8)
+    forkserver.serve(listener, lambda connection, closing: _serve_command(connection, baseline, commands, closing))
 
 
 # --------------------------------------------------------------------------------------------------------- client
-class ZygoteRefused(RuntimeError):
-    """The server cannot run this block (it is not running, or forking is not safe now): run it fresh."""
-
-
-class Zygote:
-    """The caller's end: `run(script, cwd, env, output, timeout)` -> exit status, or None on timeout."""
+class Zygote(forkserver.ForkServer):
+    """The caller's end: a ForkServer that has run `imports` as `serve` runs them; `run(script, cwd, env, output,
+    timeout)` -> exit status, or None on timeout."""
 
     def __init__(self, imports: list[str], env: dict[str, str], log: str, commands: str | None = None):
         """`commands`: an empty folder for the stand-ins of `hf-moe` and `python` and the server's socket (see
         `command_env`); none by default."""
-        self._log = log
         self.commands = commands
         options = []
         if commands is not None:
@@ -319,12 +177,8 @@ class Zygote:
                                f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
                                f"from readme_zygote import stand_in\nstand_in({name!r}, {real!r})\n")
                 os.chmod(path, 0o755)
-        with open(log, "wb") as err:
-            self._process = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), *options, *imports], env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=err, start_new_session=True, bufsize=0,
-            )  # unbuffered: select() on the pipe sees every message not yet read
-        self._ready: str | None = None
+        super().__init__(imports, env, log=log, argv=[sys.executable, os.path.abspath(__file__), *options, *imports],
+                         new_session=True)
 
     def command_env(self, env: dict[str, str]) -> dict[str, str]:
         """`env` for a ```bash block whose `hf-moe` and `python` commands this server runs (the stand-ins first on
@@ -334,52 +188,8 @@ class Zygote:
         return {**env, "PATH": os.pathsep.join([self.commands, env.get("PATH", "")]),
                 SERVER_VARIABLE: os.path.join(self.commands, "server.sock")}
 
-    def _read(self, timeout: float | None) -> dict | None:
-        """The next message, or None when `timeout` passes first."""
-        out = self._process.stdout
-        if timeout is not None and not select.select([out], [], [], max(timeout, 0))[0]:
-            return None
-        line = out.readline()
-        if not line:
-            raise ZygoteRefused(f"the server ended (exit status {self._process.wait()}); its log: {self._log}")
-        return json.loads(line)
-
-    def ready(self) -> str:
-        """"ok", or why the server cannot fork (read once; waits for the imports)."""
-        if self._ready is None:
-            self._ready = self._read(None)["ready"]
-        return self._ready
-
     def run(self, script: str, cwd: str, env: dict[str, str], output: str, timeout: float) -> int | None:
         return self.request({"script": script, "cwd": cwd, "env": env, "output": output}, timeout)
-
-    def request(self, request: dict, timeout: float) -> int | None:
-        """Run a request ({"script" | "module" | "code", "args", "cwd", "env", "output", "errors"}: see `_child`
-        and `run_as_main`); its exit status, or None on timeout (the child killed)."""
-        if self.ready() != "ok":
-            raise ZygoteRefused(self._ready)
-        self._process.stdin.write((json.dumps(request) + "\n").encode())
-        self._process.stdin.flush()
-        started = self._read(None)
-        if "refused" in started:
-            raise ZygoteRefused(started["refused"])
-        deadline = time.monotonic() + timeout
-        ended = self._read(deadline - time.monotonic())
-        if ended is None:
-            try:
-                os.killpg(started["pid"], signal.SIGKILL)  # the child leads its own session: its children go too
-            except ProcessLookupError:
-                pass
-            self._read(None)
-            return None
-        return ended["status"]
-
-    def close(self) -> None:
-        """Ends the server at once (between runs it holds nothing to save)."""
-        self._process.kill()
-        self._process.wait()
-        self._process.stdin.close()
-        self._process.stdout.close()
 
 
 def _real_commands(env: dict[str, str]) -> dict[str, str]:

@@ -328,8 +328,11 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/gpu_check/runner.py", 'open(output, "w")'): "writes a step's output file in gpu_check's --out",
     ("hf_moe/gpu_check/runner.py", "output.read_text(errors="): "reads back a step's output file (--out)",
     ("hf_moe/gpu_check/runner.py", 'open(log, "a")'): "appends to gpu_check's logs.txt (--out)",
-    ("hf_moe/gpu_check/child.py", "os.open(output, os.O_WRONLY | os.O_APPEND)"): "a forked step's output file "
-                                                                                "(the run's temp dir), and /dev/null",
+    ("hf_moe/forkserver.py", 'open("/proc/self/maps")'): "this process's memory map (the OpenBLAS libraries loaded)",
+    ("hf_moe/forkserver.py", "os.open(os.devnull"): "/dev/null, as a forked child's stdin",
+    ("hf_moe/forkserver.py", 'os.open(request["output"]'): "writes a forked child's stdout (a file its caller names)",
+    ("hf_moe/forkserver.py", 'os.open(request["errors"]'): "writes a forked child's stderr (a file its caller names)",
+    ("hf_moe/forkserver.py", 'open(log, "wb")'): "writes the fork server's own stderr (a file its caller names)",
     ("hf_moe/gpu_check/steps.py", "json.loads(found.read_text())"): "gpu_check's kernel launch counts (temp dir)",
     ("hf_moe/gpu_check/bench.py", 'json.loads((report.out / "results.json").read_text())'): "the bench's own "
                                                                                              "results.json (--out)",

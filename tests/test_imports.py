@@ -26,6 +26,7 @@ COMPILED = {"hf_moe._C"}  # the C++ extension when built ahead of time (HF_MOE_B
 # A name is a module or a subpackage (all its modules), relative to hf_moe; hf_moe_cli is the top-level parser.
 FLOORS = [
     ["version", "compat", "losses", "profiling", "memory", "inputs", "huge_pages", "dense_mlp", "layerwise"],
+    ["forkserver"],
     ["ops"],
     ["layers"],
     ["configuration"],

@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_dense, tiny_tokenizer
-from readme_zygote import Zygote, ZygoteRefused, needs_fresh
+from readme_zygote import Refused, Zygote, needs_fresh
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -331,7 +331,7 @@ def readme_fixtures(tmp_path_factory, bash_env) -> Path:
 
 
 def _run_forked(zygote: Zygote, script: Path, cwd: Path) -> tuple[int | None, str]:
-    """As `_run([python, script], cwd)`, in a child of the server; ZygoteRefused when it cannot."""
+    """As `_run([python, script], cwd)`, in a child of the server; Refused when it cannot."""
     output = script.with_suffix(".out")
     status = zygote.run(str(script), str(cwd), _env(), str(output), TIMEOUT_S)
     return status, _final_lines(output.read_bytes().decode(errors="replace"))
@@ -386,7 +386,7 @@ def test_readme_block(document: Path, block: Block, block_dir: Path, request):
     if forkable(block):
         try:
             forked = _run_forked(request.getfixturevalue("readme_zygote"), script, block_dir)
-        except ZygoteRefused as why:  # a server that cannot fork costs every block its imports again: say so
+        except Refused as why:  # a server that cannot fork costs every block its imports again: say so
             warnings.warn(f"{_name(document)} line {block.line} ran in a fresh interpreter: {why}")
     env = request.getfixturevalue("bash_env") if block.lang == "bash" else None
     status, output = forked if forked is not None else _run(cmd, block_dir, env=env)

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from readme_zygote import Zygote, ZygoteRefused
+from readme_zygote import Refused, Zygote
 from test_readme import Block, _env, _run, _run_forked, forkable, zygote_imports
 
 _SCRIPTS = {
@@ -114,7 +114,7 @@ def test_the_server_refuses_to_fork_beside_a_thread(tmp_path):
     server = Zygote([start], _env(), str(tmp_path / "server.log"))
     try:
         (tmp_path / "ok.py").write_text("print('hi')\n")
-        with pytest.raises(ZygoteRefused, match="2 Python threads"):
+        with pytest.raises(Refused, match="2 Python threads"):
             server.run(str(tmp_path / "ok.py"), str(tmp_path), _env(), str(tmp_path / "out"), 60)
     finally:
         server.close()

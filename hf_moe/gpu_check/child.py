@@ -3,28 +3,20 @@
 It imports the step's function and runs it as fn(step, smoke, limit), flushing the Step to RESULT as it goes; an
 exception is the step's failure, recorded with its traceback; a Triton op that fell back to torch fails the step.
 The parent (runner.py) kills it at its deadline. (A module of its own: `python -m` of a module that the package's
-__init__ imports runs it twice.)
-
-`python -m hf_moe.gpu_check.child --serve` is the fork server of runner.ForkServer: it imports PRELOAD, then for each
-request line on stdin ({"argv": [...], "output": PATH}) forks a child that runs child_main(argv) in a session of its
-own, with stdin from /dev/null and stdout and stderr into PATH, and answers {"pid": ...} when the child starts and
-{"status": ...} when it ends (negative: the signal that ended it). A child ends as the interpreter would.
+__init__ imports runs it twice.) Under --smoke it runs in a child of a fork server (hf_moe/forkserver.py), as
+`python -m` would run it.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from .record import FAILED, RUNNING, Step, code_block
-
-PRELOAD = ("torch", "transformers.modeling_utils", "triton")  # what the fork server imports, those installed
 
 
 def child_main(argv: list[str] | None = None) -> int:
@@ -62,41 +54,5 @@ def child_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve() -> int:
-    """The fork server (the module's docstring). Returns in each forked child too, with the child's exit status, so
-    that the child ends as `python -m` would end it."""
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # what the imports print must not reach the answers
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            answers.close()
-            _streams(request["output"])
-            return child_main(request["argv"])
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
-        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        answers.write(json.dumps({"status": status}) + "\n")
-        answers.flush()
-    return 0
-
-
-def _streams(output: str) -> None:
-    """A forked child's session and streams: its own session (its group is killed at its limit), stdin from /dev/null,
-    stdout and stderr into `output`."""
-    os.setsid()
-    null, out = os.open(os.devnull, os.O_RDONLY), os.open(output, os.O_WRONLY | os.O_APPEND)
-    for fd, into in ((null, 0), (out, 1), (out, 2)):
-        os.dup2(fd, into)
-    os.close(null)
-    os.close(out)
-
-
 if __name__ == "__main__":
-    sys.exit(serve() if sys.argv[1:] == ["--serve"] else child_main())
+    sys.exit(child_main())

@@ -12,11 +12,11 @@ as failed, with its exit status or "timed out", the output's tail and whatever i
 Nothing is built on the way: the children run with HF_MOE_BACKEND=triton (or what the caller set), which never
 compiles the C++ CPU extension.
 
-Under --smoke (CPU, and CI) the children are forked from a fork server (`python -m hf_moe.gpu_check.child --serve`,
-started once with the children's environment), which imported torch, transformers and triton: a fresh interpreter
-spends about 10 s of a 2-core machine importing them, more than most smoke steps then run. A forked child is
-otherwise the same: its own session, output and working directory, killed with its group at its limit. On a GPU each
-step starts a fresh interpreter, so that no step inherits another process's state.
+Under --smoke (CPU, and CI) the children are forked from a fork server (hf_moe/forkserver.py, started once with the
+children's environment), which imported torch, transformers and triton: a fresh interpreter spends about 10 s of a
+2-core machine importing them, more than most smoke steps then run. A forked child is otherwise the same: its own
+session, output and working directory, killed with its group at its limit. On a GPU each step starts a fresh
+interpreter, so that no step inherits another process's state.
 
 Limits: the steps come in the order of their value; step i may take at most `most` seconds and no more than what
 the budget has left less the `least` of every later step that has one (so each later step still gets its minimum);
@@ -26,10 +26,9 @@ a step whose limit falls under its own `least` is skipped, saying so. A step wit
 from __future__ import annotations
 
 import contextlib
-import json
+import importlib.util
 import math
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..forkserver import Child, ForkServer, Refused
 from .record import FAILED, PASSED, RUNNING, SKIPPED, Report, Step, code_block
 
 ROOT = Path(__file__).resolve().parents[2]  # a source checkout: tests/ beside hf_moe/
@@ -74,7 +74,7 @@ def run_steps(specs: list[StepSpec], report: Report, budget: float, smoke: bool,
     deadline = time.monotonic() + budget
     stopped = ""
     (report.out / "logs.txt").write_text("")  # this run's output only
-    servers = ForkServer(env) if fork else contextlib.nullcontext()
+    servers = ForkServer(_preload(), env, cwd=str(ROOT)) if fork else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp, servers as server:
         for index, spec in enumerate(specs):
             number = numbers[index] if numbers else index + 1
@@ -103,9 +103,11 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
             "--deadline", f"{time.time() + limit:.1f}"] + (["--smoke"] if smoke else [])
     start = time.monotonic()
     with open(output, "w") as out:
+        child = None
         if server is not None:
-            child = server.start(argv, output)
-        else:
+            with contextlib.suppress(Refused):  # (the server runs a thread: this step runs fresh)
+                child = server.start({"module": "hf_moe.gpu_check.child", "args": argv, "output": str(output)})
+        if child is None:
             child = subprocess.Popen([sys.executable, "-m", "hf_moe.gpu_check.child", *argv], stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
                                      start_new_session=True)
@@ -114,11 +116,11 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
             status = child.wait(timeout=max(limit, 1))
         except subprocess.TimeoutExpired:
             pass
-        finally:
-            kill_group(child.pid)  # whatever the step started (pytest, torchrun, ...) goes with it
-            if status is None and server is not None:  # (a forked child killed before it made its own group)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, signal.SIGKILL)
+        finally:  # whatever the step started (pytest, torchrun, ...) goes with it
+            if isinstance(child, Child):
+                child.kill()  # (and the child itself, if it was killed before it made its own group)
+            else:
+                kill_group(child.pid)
             child.wait()
     seconds = time.monotonic() - start
     text = output.read_text(errors="replace")
@@ -138,67 +140,12 @@ def run_child(spec: StepSpec, number: int, smoke: bool, limit: float, env: dict[
     return step
 
 
-class ForkServer:
-    """`python -m hf_moe.gpu_check.child --serve` with `env`, in ROOT: children forked from it (`start`), one at a
-    time. It ends when this closes (a `with` block) or when this process dies."""
-
-    def __init__(self, env: dict[str, str]):
-        # In this process's group, so that whatever kills the run's group kills the server too; its own messages (not
-        # its children's) on this process's stderr.
-        self.process = subprocess.Popen([sys.executable, "-m", "hf_moe.gpu_check.child", "--serve"], cwd=ROOT, env=env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._lines = b""
-
-    def __enter__(self) -> ForkServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.process.stdin.close()  # the server's end of input: it exits
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def start(self, argv: list[str], output: Path) -> ForkedChild:
-        """Fork a child that runs `python -m hf_moe.gpu_check.child ARGV` with its output into `output`."""
-        try:
-            self.process.stdin.write(json.dumps(dict(argv=argv, output=str(output))).encode() + b"\n")
-            self.process.stdin.flush()
-        except BrokenPipeError:
-            raise self._ended() from None
-        return ForkedChild(self, self.answer(None)["pid"])
-
-    def answer(self, timeout: float | None) -> dict:
-        """The server's next answer line, waiting at most `timeout` seconds (None: for ever)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out = self.process.stdout.fileno()
-        while b"\n" not in self._lines:
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and (wait <= 0 or not select.select([out], [], [], wait)[0]):
-                raise subprocess.TimeoutExpired("gpu_check step", timeout)
-            chunk = os.read(out, 65536)
-            if not chunk:  # the server's own failure (its traceback is on this process's stderr)
-                raise self._ended()
-            self._lines += chunk
-        line, self._lines = self._lines.split(b"\n", 1)
-        return json.loads(line)
-
-    def _ended(self) -> ChildProcessError:
-        return ChildProcessError(f"the fork server ended (exit status {self.process.wait()})")
-
-
-class ForkedChild:
-    """A child forked by a ForkServer, waited for as a subprocess.Popen is: wait() gives its exit status (negative: the
-    signal that ended it) or raises subprocess.TimeoutExpired."""
-
-    def __init__(self, server: ForkServer, pid: int):
-        self.server, self.pid, self.status = server, pid, None
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.status is None:
-            self.status = self.server.answer(timeout)["status"]
-        return self.status
+def _preload() -> list[str]:
+    """What the fork server imports: torch, transformers' model code and triton where installed, and this package
+    (not the child's module, which runs as `__main__`: imported before, runpy would warn that it runs twice)."""
+    found = [f"import {name}" for name in ("torch", "transformers.modeling_utils", "triton")
+             if importlib.util.find_spec(name.split(".")[0]) is not None]
+    return [*found, "import hf_moe.gpu_check"]
 
 
 def _signal_name(number: int) -> str:

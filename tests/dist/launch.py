@@ -3,7 +3,7 @@
     python tests/dist/launch.py NPROC SCRIPT ARGS... [--then NPROC SCRIPT ARGS...]...
 
 imports torch.distributed, transformers' model code and hf_moe once, then runs the launches in turn. Each forks NPROC
-ranks that run SCRIPT as `python SCRIPT ARGS` would (`readme_zygote.run_as_main`), with the variables torchrun gives
+ranks that run SCRIPT as `python SCRIPT ARGS` would (`forkserver.run_as_main`), with the variables torchrun gives
 its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; rank 0 hosts the
 store), and waits for them. When a rank fails, the others are stopped (SIGTERM, then SIGKILL), as torchrun stops
 them, and the launcher exits with the failed rank's status without starting the next launch. NPROC 0 runs SCRIPT once
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: readme_zygote, and the scripts' conftest
-from readme_zygote import run_as_main, why_not_fork  # noqa: E402
+from readme_zygote import forkserver  # noqa: E402
 
 PRELOAD = ("torch.distributed", "transformers.modeling_utils", "hf_moe")
 STOP_GRACE_S = 10  # after SIGTERM, before SIGKILL (torchrun waits 30 s; these ranks hold nothing to save)
@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 
 def _start(script: str, args: list[str], rank: int, nproc: int, port: int) -> int:
-    why = why_not_fork()
+    why = forkserver.why_not_fork()
     if why is not None:  # a thread (an OpenMP pool) would be lost in the fork, and a rank could hang on its lock
         raise SystemExit(f"launch.py: cannot fork the ranks: {why}")
     pid = os.fork()
@@ -66,7 +66,7 @@ def _start(script: str, args: list[str], rank: int, nproc: int, port: int) -> in
             "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         })
-    os._exit(run_as_main({"script": script, "args": args}))
+    os._exit(forkserver.run_as_main({"script": script, "args": args}))
 
 
 def _wait(ranks: dict[int, int]) -> int:
