@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from .record import Report
-from .runner import StepSpec, run_steps
+from .runner import StepSpec, chosen_steps, run_steps
 
 STEPS = [
     StepSpec("environment", "environment", "hf_moe.gpu_check.steps:step_environment", most=60, least=10),
@@ -94,13 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated keys of the steps to run (default: all): "
                              + ", ".join(s.key for s in STEPS))
     args = parser.parse_args(argv)
-    specs = STEPS
-    if args.steps:
-        keys = [k.strip() for k in args.steps.split(",") if k.strip()]
-        unknown = sorted(set(keys) - {s.key for s in STEPS})
-        if unknown:
-            parser.error(f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in STEPS)}")
-        specs = [s for s in STEPS if s.key in keys]
+    specs = chosen_steps(parser, args.steps, STEPS, STEPS)
     budget = args.budget if args.budget is not None else (SMOKE_BUDGET if args.smoke else BUDGET)
     least = sum(s.least for s in specs)
     if budget < least:  # else the first steps (the environment, which decides whether any can run) are skipped

@@ -45,7 +45,7 @@ from pathlib import Path
 from . import _versions
 from .main_job import WORK_ENV
 from .record import Report
-from .runner import StepSpec, run_steps
+from .runner import StepSpec, chosen_steps, run_steps
 
 STEPS = [
     StepSpec("environment", "environment", "hf_moe.gpu_check.steps:step_environment", most=40, least=10),
@@ -88,13 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=None, help="comma-separated keys of the steps to run (default: all but "
                                                       "training): " + ", ".join(s.key for s in STEPS + OPTIONAL))
     args = parser.parse_args(argv)
-    specs, every = STEPS, STEPS + OPTIONAL
-    if args.steps:
-        keys = [k.strip() for k in args.steps.split(",") if k.strip()]
-        unknown = sorted(set(keys) - {s.key for s in every})
-        if unknown:
-            parser.error(f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in every)}")
-        specs = [s for s in every if s.key in keys]
+    every = STEPS + OPTIONAL
+    specs = chosen_steps(parser, args.steps, every, STEPS)
     budget = args.budget if args.budget is not None else (SMOKE_BUDGET if args.smoke else BUDGET)
     if not 0 < budget < math.inf:  # NaN too: a NaN limit never times out, and a hung step would stay
         parser.error(f"--budget must be a finite number of seconds above 0, got {args.budget!r}")

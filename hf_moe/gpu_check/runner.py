@@ -56,6 +56,18 @@ class StepSpec:
     least: float
 
 
+def chosen_steps(parser, keys: str | None, every: list[StepSpec], default: list[StepSpec]) -> list[StepSpec]:
+    """The steps `--steps KEYS` names (comma-separated keys), in the order of `every`; `default` when KEYS is None or
+    empty. An unknown key is `parser`'s error, which lists the steps."""
+    wanted = [k.strip() for k in (keys or "").split(",") if k.strip()]
+    if not wanted:
+        return default
+    unknown = sorted(set(wanted) - {s.key for s in every})
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in every)}")
+    return [s for s in every if s.key in wanted]
+
+
 def plan_limit(specs: list[StepSpec], index: int, left: float, scale: float = 1.0) -> float:
     """Seconds step `index` may take with `left` seconds of budget: at most its `most` (x `scale`), leaving every later
     step that has a `most` its `least`."""
