@@ -42,7 +42,7 @@ def _load_forkserver():
 
 
 forkserver = sys.modules.get("hf_moe_forkserver") or _load_forkserver()
-Refused, why_not_fork = forkserver.Refused, forkserver.why_not_fork
+Refused = forkserver.Refused
 
 # What a script does before its own imports cannot reach modules the server imported before it: a script that sets
 # the environment (read at import: threads, offline switches, logging) runs fresh, and so does one that starts
@@ -115,7 +115,7 @@ def _serve_command(connection: socket.socket, baseline: dict[str, str], commands
     """Runs one stand-in's command in a forked child; kills the child if the stand-in goes first."""
     request, fds = _recv_request(connection)
     differ = _differences(request["env"], baseline, commands)
-    why = (why_not_fork() or (f"its environment sets {', '.join(differ)} otherwise" if differ else None)
+    why = (forkserver.why_not_fork() or (f"its environment sets {', '.join(differ)} otherwise" if differ else None)
            or _why_fresh(request))
     if why is not None or len(fds) != 3:
         for fd in fds:

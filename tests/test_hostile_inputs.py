@@ -155,7 +155,8 @@ def test_int8_linear_layers_quantized_from_non_finite_weights_are_not_saved(save
         model.lm_head.weight[3, 0] = math.inf
         model.model.layers[0].self_attn.q_proj.weight[1, 1] = math.nan
     hf_moe.quantize_experts(model, "int8", linears=True)
-    for save in (lambda: hf_moe.save_quantized(model, tmp_path / "int8"), lambda: model.save_pretrained(tmp_path / "int8")):
+    for save in (lambda: hf_moe.save_quantized(model, tmp_path / "int8"),
+                 lambda: model.save_pretrained(tmp_path / "int8")):
         refused(save, "q_proj.weight_scale", "not finite")
         assert not (tmp_path / "int8").exists()
     with torch.no_grad():
