@@ -41,7 +41,7 @@ from ..layers import SparseMoeBlock
 from ..profiling import saved_activation_bytes
 from .correctness import rel_error, variants
 from .record import FAILED, PASSED, table, triton_fallbacks
-from .speed import Backend, median_spread
+from .speed import Backend, first_output, median_spread, sync, triton_launches
 
 # (label, H, I, E, k, shared experts)
 SHAPES = [("Qwen3-30B-A3B-like", 2048, 768, 128, 8, 0), ("OLMoE-like", 2048, 1024, 64, 8, 0),
@@ -167,21 +167,6 @@ def build(hidden, inter, num_experts, top_k, shared, dtype, device) -> tuple[dic
     return modules, missing, ours
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _out(result):
-    return result[0] if isinstance(result, tuple) else result
-
-
-def _launches() -> int:
-    from ..ops.triton.runtime import launch_counts
-
-    return sum(launch_counts.values())
-
-
 def _failure(err: BaseException) -> str:
     if isinstance(err, torch.cuda.OutOfMemoryError):
         torch.cuda.empty_cache()
@@ -198,20 +183,20 @@ def measure(modules: dict, x: torch.Tensor, repeats: int, failed: dict) -> tuple
 
     def fwd(module):
         with torch.no_grad():
-            return _out(module(x))
+            return first_output(module(x))
 
     def fwd_bwd(module):
-        _out(module(x.detach().requires_grad_(True))).backward(grad)
+        first_output(module(x.detach().requires_grad_(True))).backward(grad)
         module.zero_grad(set_to_none=True)
 
     live = dict(modules)
     for name, module in modules.items():
         try:
-            before = _launches()
+            before = triton_launches()
             outputs[name] = fwd(module).detach().reshape(-1, x.shape[-1])
             fwd_bwd(module)
-            _sync(x.device)
-            launches[name] = _launches() - before
+            sync(x.device)
+            launches[name] = triton_launches() - before
         except Exception as err:  # recorded; the other contestants still run
             failed[name] = _failure(err)
             live.pop(name)
@@ -220,10 +205,10 @@ def measure(modules: dict, x: torch.Tensor, repeats: int, failed: dict) -> tuple
         for name, module in list(live.items()):
             for slot, fn in enumerate((fwd, fwd_bwd)):
                 try:
-                    _sync(x.device)
+                    sync(x.device)
                     start = time.perf_counter()
                     fn(module)
-                    _sync(x.device)
+                    sync(x.device)
                 except Exception as err:
                     failed[name] = _failure(err)
                     live.pop(name)
@@ -242,7 +227,7 @@ def kept_for_backward(module, x: torch.Tensor) -> dict:
         inp = x.detach().requires_grad_(True)
         torch.cuda.synchronize(x.device)
         before = torch.cuda.memory_allocated(x.device)
-        out = _out(module(inp))
+        out = first_output(module(inp))
         torch.cuda.synchronize(x.device)
         kept["allocated"] = torch.cuda.memory_allocated(x.device) - before - out.numel() * out.element_size()
         out.sum().backward()

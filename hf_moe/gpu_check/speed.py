@@ -27,13 +27,11 @@ import torch
 from ..configuration import MoEConfig
 from ..layers import SparseMoeBlock
 from ..ops import use_backend
-from .correctness import own_gemms, variants
+from .correctness import SHAPES, TINY_SHAPES, own_gemms, variants  # the layers timed are those checked
 from .record import FAILED, PASSED, table, triton_fallbacks
 
 TOKENS = 16384
-SHAPES = [("Mixtral-like", 4096, 8, 2, 14336), ("Qwen3-30B-A3B-like", 2048, 128, 8, 768)]
 TINY_TOKENS = 8
-TINY_SHAPES = [("Mixtral-like tiny", 32, 8, 2, 24), ("Qwen3-30B-A3B-like tiny", 32, 16, 8, 8)]
 
 
 class Backend(torch.nn.Module):
@@ -72,16 +70,19 @@ def build(hidden, num_experts, top_k, inter, dtype, device) -> dict[str, torch.n
     return modules
 
 
-def _sync(device):
+def sync(device):
+    """Wait for `device`'s queued kernels (a timer reads the clock after them)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _output(out):
+def first_output(out):
+    """A layer's output: the hidden states of a (hidden states, router logits) pair, else the output itself."""
     return out[0] if isinstance(out, tuple) else out
 
 
-def _launches() -> int:
+def triton_launches() -> int:
+    """Triton kernel launches so far in this process (all kernels)."""
     from ..ops.triton.runtime import launch_counts
 
     return sum(launch_counts.values())
@@ -95,16 +96,16 @@ def measure(modules, x, repeats) -> tuple[dict[str, tuple[list[float], list[floa
 
     def fwd(module):
         with torch.no_grad():
-            _output(module(x))
+            first_output(module(x))
 
     def fwd_bwd(module):
-        _output(module(x.detach().requires_grad_(True))).backward(grad)
+        first_output(module(x.detach().requires_grad_(True))).backward(grad)
         module.zero_grad(set_to_none=True)
 
     def counted(name, fn, module):
-        before = _launches()
+        before = triton_launches()
         fn(module)
-        launches[name] += _launches() - before
+        launches[name] += triton_launches() - before
 
     times = {name: ([], []) for name in modules}
     for name, module in modules.items():
@@ -113,10 +114,10 @@ def measure(modules, x, repeats) -> tuple[dict[str, tuple[list[float], list[floa
     for _ in range(repeats):
         for name, module in modules.items():
             for slot, fn in enumerate((fwd, fwd_bwd)):
-                _sync(x.device)
+                sync(x.device)
                 start = time.perf_counter()
                 fn(module)
-                _sync(x.device)
+                sync(x.device)
                 times[name][slot].append((time.perf_counter() - start) * 1e3)
     return times, launches
 
