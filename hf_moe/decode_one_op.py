@@ -17,9 +17,9 @@ own checks):
     plain `topk` router (softmax, top-k, optionally renormalised; no dynamic skipping, capacity or unit weights) and
     no output bias, or one of transformers' own (`NATIVE_BLOCKS`: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, whose
     routers take the softmax of logits computed in the activations' dtype), with experts the compiled kernel
-    computes as the eager model does (int8 `QuantizedExperts`; fp32 or bf16 experts on an AVX-512 BF16 CPU, a native
-    model's under `experts_implementation="hf_moe"`), all MoE layers with one top-k, renormalisation, activation and
-    GLU; its shared experts (Qwen2-MoE's, gated or not), if any, and
+    computes as the eager model does (int8 `QuantizedExperts`; fp32 or bf16 experts on a CPU with AVX-512 BF16 or
+    AVX2, `infer.serves`; a native model's under `experts_implementation="hf_moe"`), all MoE layers with one top-k,
+    renormalisation, activation and GLU; its shared experts (Qwen2-MoE's, gated or not), if any, and
   * a dense MLP of Llama's kind (a layer the conversion left dense) are computed with the kernels their eager modules
     call (`nn.Linear`: ATen's; int8 `QuantizedLinear`: hf_moe's), activations silu, gelu, gelu_pytorch_tanh or relu;
   * a rotary embedding whose values depend on the position alone (rope types default, linear, llama3, yarn): its
@@ -96,7 +96,7 @@ def _experts_fields(experts, dtype: torch.dtype) -> tuple[dict, str, bool] | Non
     elif not _native_experts(experts):
         return None
     w1, b1, w2, b2 = expert_weights(experts)
-    if w1.dtype not in infer.MAX_TOKENS or infer.kernel_isa() != "avx512_bf16":
+    if not infer.serves(w1.dtype):
         return None
     activation = kernel_activation(_activation_of(experts))
     return dict(w1=w1, w1_scale=None, b1=b1, w2=w2, w2_scale=None, b2=b2), activation, experts.has_gate
@@ -169,7 +169,7 @@ def _block_reason(i: int, block, experts: tuple | None, dtype: torch.dtype) -> s
         return f"layer {i}'s Mixtral router gives fp32 weights to {dtype} experts, which the step would round"
     if experts is None or experts[1] not in reference.KERNEL_ACTIVATIONS:
         return (f"layer {i}'s experts ({type(block.experts).__name__}) do not run the compiled inference kernel "
-                f"(fp32 and bf16 experts: on CPUs with AVX-512 BF16 only; int8 experts everywhere)")
+                f"(fp32 and bf16 experts: on CPUs with AVX-512 BF16 or AVX2; int8 experts everywhere)")
     return None
 
 
@@ -206,10 +206,10 @@ def moe_layers(model) -> list:
 
 def max_batch(model) -> int | None:
     """The most rows one step may decode (None: any): what the experts' kernel takes in eager mode too, any rows for
-    int8 experts, `infer.MAX_TOKENS` of the dtype otherwise."""
+    int8 experts, `infer.max_tokens` of the dtype otherwise."""
     if all(type(layer.mlp.experts) is QuantizedExperts for layer in moe_layers(model)):
         return None
-    return infer.MAX_TOKENS.get(model.model.embed_tokens.weight.dtype)
+    return infer.max_tokens(model.model.embed_tokens.weight.dtype)
 
 
 def _linear(prefix: str, module) -> dict:

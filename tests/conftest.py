@@ -61,6 +61,30 @@ class StreamedTokens:
         self.ended = True
 
 
+def assert_same_greedy(reference, fast, atol: float, rtol: float, near_tie: float = 0.0) -> None:
+    """That two greedy `generate` outputs (`return_dict_in_generate=True, output_scores=True`) agree: the same tokens,
+    and scores within atol and rtol. With `near_tie` (bf16, where two engines round in different places), a row may
+    part from the reference at a step where the reference scored the other engine's token within `near_tie` times
+    its best score's magnitude of that best (a near tie that either rounding can break); that row is compared up to
+    and including that step."""
+    ref_scores, fast_scores = torch.stack(reference.scores).float(), torch.stack(fast.scores).float()  # [T, B, V]
+    steps = ref_scores.shape[0]
+    prompt = reference.sequences.shape[1] - steps
+    assert torch.equal(reference.sequences[:, :prompt], fast.sequences[:, :prompt])
+    for row in range(reference.sequences.shape[0]):
+        ref, got = reference.sequences[row, prompt:], fast.sequences[row, prompt:]
+        parted = (ref != got).nonzero()
+        end = steps if len(parted) == 0 else int(parted[0])
+        if end < steps:
+            scores = ref_scores[end, row]
+            best, other = scores[ref[end]], scores[got[end]]
+            assert best - other <= near_tie * best.abs(), (
+                f"row {row} parts from the reference at new token {end}: {int(got[end])} (scored {other:.6g} by the "
+                f"reference) for {int(ref[end])} (scored {best:.6g}), not a near tie")
+        compared = min(end + 1, steps)
+        torch.testing.assert_close(fast_scores[:compared, row], ref_scores[:compared, row], atol=atol, rtol=rtol)
+
+
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)

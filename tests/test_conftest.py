@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import stat
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import (
     DURATIONS,
     LONG_FILE_S,
     _fingerprint,
+    assert_same_greedy,
     changes,
     copy_checkpoint,
     file_seconds,
@@ -68,3 +71,22 @@ def test_the_durations_table_is_read_by_file(tmp_path):
                      "   2.00    0.01    1.99     0.00  tests/test_a.py::test_x\n")
     assert file_seconds(table) == {"tests/test_a.py": 2.5, "tests/test_b.py": 0.5}
     assert file_seconds(tmp_path / "missing.txt") == {}
+
+
+def test_greedy_outputs_may_part_only_at_a_near_tie():
+    """assert_same_greedy: a row that parts from the reference passes only at a near tie of the reference's scores,
+    and only with `near_tie`; the scores are compared up to that step, not after."""
+    def output(tokens, scores):  # one row, a prompt of one token, one new token per step over a vocabulary of 3
+        return SimpleNamespace(sequences=torch.tensor([[0, *tokens]]), scores=[torch.tensor([s]) for s in scores])
+
+    reference = output([1, 2], [[0.0, 1.0, 0.99], [0.0, 0.0, 1.0]])
+    near = output([2, 0], [[0.0, 1.0, 0.99], [5.0, 0.0, 0.0]])  # parts at a near tie; after it, anything
+    assert_same_greedy(reference, reference, atol=0, rtol=0)
+    assert_same_greedy(reference, near, atol=0, rtol=0, near_tie=0.02)
+    with pytest.raises(AssertionError, match="parts from the reference at new token 0"):
+        assert_same_greedy(reference, near, atol=0, rtol=0)
+    wide = output([2, 0], [[0.0, 1.0, 0.5], [5.0, 0.0, 0.0]])
+    with pytest.raises(AssertionError, match="not a near tie"):
+        assert_same_greedy(output([1, 2], [[0.0, 1.0, 0.5], [0.0, 0.0, 1.0]]), wide, atol=0, rtol=0, near_tie=0.02)
+    with pytest.raises(AssertionError):  # the same tokens, other scores
+        assert_same_greedy(reference, output([1, 2], [[0.0, 1.0, 0.9], [0.0, 0.0, 1.0]]), atol=0, rtol=0)

@@ -252,9 +252,9 @@ def _ran(fn, name="hf_moe::moe_experts_infer"):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_dispatch_takes_the_inference_kernel(dtype, compiled):
-    """Inference on few tokens (decoding) runs moe_experts_infer where the CPU has AVX-512 BF16, with the numbers of
-    the whole-layer training op; with gradients, or in fp64, that op runs as before."""
-    from hf_moe.ops.infer import MAX_TOKENS, kernel_isa
+    """Inference on few tokens (decoding) runs moe_experts_infer where the CPU has AVX-512 BF16 or AVX2, with the
+    numbers of the whole-layer training op; with gradients, or in fp64, that op runs as before."""
+    from hf_moe.ops import infer
 
     experts = _Experts(4, 64, 48, glu=True, bias=True, dtype=dtype)
     index, weights = _routing(2, 2, 4, "random")
@@ -262,8 +262,8 @@ def test_decode_dispatch_takes_the_inference_kernel(dtype, compiled):
     with use_backend("compiled"):
         with torch.no_grad():
             out, ran = _ran(lambda: experts_forward(experts, x, index, weights.to(dtype)))
-        limit = MAX_TOKENS[dtype]
-        assert ran == (kernel_isa() == "avx512_bf16" and (limit is None or x.shape[0] <= limit))
+        assert ran == (infer.kernel_isa() in ("avx512_bf16", "avx2")
+                       and (infer.max_tokens(dtype) is None or x.shape[0] <= infer.max_tokens(dtype)))
         bf16 = dtype == torch.bfloat16
         want = _oracle(x, index, weights.to(dtype), *(t.detach() for t in (experts.gate_up_proj,
                        experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)), "silu", True, bf16, bf16)

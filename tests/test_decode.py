@@ -18,9 +18,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig, Genera
 from transformers.generation import GenerateDecoderOnlyOutput
 
 import hf_moe
+from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import DecodePlan as one_op_plan
 from hf_moe.generation import (
-    MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, prepare_generate_kwargs,
+    MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, one_op_sample, prepare_generate_kwargs,
 )
 
 from conftest import VOCAB, random_ids, tiny_dense, tiny_tokenizer
@@ -49,7 +50,12 @@ def test_prepare_generate_kwargs_fills_in_the_compiled_decode_only_for_a_static_
     moe = converted()
     ids = random_ids(1, 12)
     prepare = lambda **kw: prepare_generate_kwargs(moe, (), kw)  # noqa: E731
-    assert prepare(input_ids=ids, max_new_tokens=3) == {"input_ids": ids, "max_new_tokens": 3}  # dynamic: unchanged
+    plain = prepare(input_ids=ids, max_new_tokens=3)
+    if choose_decode(moe, 1).engine == "one_op":  # the step's own loop and its static cache, nothing compiled
+        assert plain["custom_generate"] is one_op_sample and plain["cache_implementation"] == "static"
+        assert "compile_config" not in plain
+    else:  # eager: unchanged
+        assert plain == {"input_ids": ids, "max_new_tokens": 3}
     filled = prepare(input_ids=ids, max_new_tokens=3, cache_implementation="static")
     assert filled["max_cache_len"] == MIN_CACHE_LEN
     assert filled["compile_config"] == decode_compile_config() and filled["compile_config"]._compile_all_devices
@@ -281,8 +287,6 @@ def converted_family(model_type: str, seed: int = 0, layers=None):
 
 
 def test_the_attention_block_step_says_which_models_it_runs_and_why_not_the_others():
-    from hf_moe.decode import choose_decode
-
     config = decode_compile_config(one_op=False)
     for family in ("llama", "qwen2", "qwen3"):
         assert choose_decode(converted_family(family), 1, config).engine == "attention_block", family

@@ -34,7 +34,7 @@ EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache 
 def _kernels_take(experts: str) -> bool:
     from hf_moe.ops import infer, load_extension
 
-    return load_extension()[0] is not None and (experts == "int8" or infer.kernel_isa() == "avx512_bf16")
+    return load_extension()[0] is not None and (experts == "int8" or infer.serves(torch.bfloat16))
 
 
 def model_with(experts: str = "int8", dtype=torch.float32, family: str = "llama", **convert):

@@ -22,7 +22,7 @@ from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN, one_op_reason
 from hf_moe.generation import generate, one_op_sample
 
-from conftest import StreamedTokens
+from conftest import StreamedTokens, assert_same_greedy
 
 FAMILIES = {
     "mixtral": dict(num_local_experts=4, intermediate_size=32),
@@ -40,8 +40,8 @@ def native(family: str, experts: str = "int8", dtype=torch.float32, skip: bool =
 
     if load_extension()[0] is None:
         pytest.skip("the compiled extension is not loaded")
-    if skip and experts != "int8" and infer.kernel_isa() != "avx512_bf16":
-        pytest.skip(f"the one-op step runs {experts} experts on AVX-512 BF16 CPUs only")
+    if skip and experts != "int8" and not infer.serves(dtype):
+        pytest.skip(f"the one-op step runs {experts} experts on CPUs with AVX-512 BF16 or AVX2 only")
     config = AutoConfig.for_model(family.removesuffix("_mixed"), vocab_size=96, hidden_size=32, num_hidden_layers=3,
                                   num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,
                                   bos_token_id=1, eos_token_id=2, pad_token_id=0, **FAMILIES[family])
@@ -67,9 +67,12 @@ def eager(model, *args, **kwargs):
 
 
 def assert_same(reference, fast, dtype):
-    assert torch.equal(reference.sequences, fast.sequences)
-    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
-    torch.testing.assert_close(torch.stack(reference.scores), torch.stack(fast.scores), **tolerance)
+    """The same tokens and scores; in bf16, where the step's kernels and eager's ATen ones round in different
+    places, a row may part from the reference at a near tie (two scores within about two bf16 steps)."""
+    if dtype == torch.float32:
+        assert_same_greedy(reference, fast, atol=1e-5, rtol=1e-5)
+    else:
+        assert_same_greedy(reference, fast, atol=0.05, rtol=0.02, near_tie=2**-6)
 
 
 @pytest.mark.slow

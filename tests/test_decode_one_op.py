@@ -18,6 +18,7 @@ import hf_moe
 from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN, DecodePlan, max_batch, one_op_reason
 from hf_moe.generation import decode_compile_config
+from hf_moe.ops import infer
 
 from conftest import random_ids, tiny_dense
 
@@ -28,11 +29,11 @@ pytestmark = pytest.mark.usefixtures("two_threads")  # the step's split of a lay
 @pytest.fixture(autouse=True)
 def _kernels():
     """The one-op step runs fp32 and bf16 experts where their compiled kernel runs in eager mode too: on a CPU with
-    AVX-512 BF16 (hf_moe.ops.infer)."""
-    from hf_moe.ops import infer, load_extension
+    AVX-512 BF16 or AVX2 (hf_moe.ops.infer)."""
+    from hf_moe.ops import load_extension
 
-    if load_extension()[0] is None or infer.kernel_isa() != "avx512_bf16":
-        pytest.skip("the one-op step runs fp32 and bf16 experts on AVX-512 BF16 CPUs only")
+    if load_extension()[0] is None or not (infer.serves(torch.float32) and infer.serves(torch.bfloat16)):
+        pytest.skip("the one-op step runs fp32 and bf16 experts on CPUs with AVX-512 BF16 or AVX2 only")
 
 
 def converted(model_type: str = "llama", seed: int = 0, **kwargs):
@@ -108,7 +109,7 @@ def test_a_padded_batch_and_a_model_quantized_between_calls(plans):
     fast = greedy(moe, ids, 5, mask=mask, cache_implementation="static")
     assert torch.equal(eager.sequences, fast.sequences)
     torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), atol=0.1, rtol=0.05)
-    assert max_batch(moe) == 32
+    assert max_batch(moe) == infer.max_tokens(torch.bfloat16)  # 32 with AVX-512 BF16, any (None) with AVX2
     hf_moe.quantize_experts(moe, "int8", linears=True)
     assert PLAN not in moe.__dict__  # dropped by quantize_experts, with the weights it replaced
     eager = greedy(moe, ids, 5, mask=mask, **EAGER)
@@ -121,15 +122,16 @@ def test_a_padded_batch_and_a_model_quantized_between_calls(plans):
 
 def test_recorded_routing_and_large_bf16_batches_take_the_compiled_step():
     """Recording routing (the router's outputs kept for the losses and statistics) and a bf16 batch the eager
-    experts give to torch's GEMMs are left to the compiled step, which computes them as eager does."""
-    from hf_moe.ops.infer import MAX_TOKENS
-
+    experts give to torch's GEMMs (past `infer.max_tokens` rows, on a CPU with AVX-512 BF16) are left to the
+    compiled step, which computes them as eager does."""
     moe = converted().to(torch.bfloat16)
     config = decode_compile_config()
     engine = lambda batch: choose_decode(moe, batch, config).engine  # noqa: E731
-    assert engine(1) == engine(MAX_TOKENS[torch.bfloat16]) == "one_op"
-    assert engine(MAX_TOKENS[torch.bfloat16] + 1) == "attention_block"
-    assert choose_decode(moe, MAX_TOKENS[torch.bfloat16] + 1).engine == "eager"  # the plain call compiles nothing
+    limit = infer.max_tokens(torch.bfloat16)
+    assert engine(1) == engine(limit or 64) == "one_op"
+    if limit is not None:
+        assert engine(limit + 1) == "attention_block"
+        assert choose_decode(moe, limit + 1).engine == "eager"  # the plain call compiles nothing
     with moe.model.layers[0].mlp.router_recorder.recording():
         assert engine(1) == "attention_block"
     assert engine(1) == "one_op"
