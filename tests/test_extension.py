@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from hf_moe.ops import backend_report, load_extension
+from hf_moe.ops import backend_report, infer, load_extension
 from hf_moe.ops.build_cache import NoBuildCache, cache_root
 from hf_moe.ops import extension
 from hf_moe.ops.extension import BUILT, CPU_SOURCES, CSRC, HEADERS, build_estimate, source_hash
@@ -44,6 +45,11 @@ def test_compiled_backend_is_active_here():
     module, status = load_extension()
     assert module is not None, status.how
     assert backend_report()["experts (whole layer)"][0].startswith("compiled C++")
+    # `python -m hf_moe.env` names the inference kernel set and the weights it takes on this CPU
+    inference, why = backend_report()["experts, inference"]
+    assert f"({infer.kernel_isa()} kernels)" in inference and "int8" in inference
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        assert (name in inference) == infer.serves(dtype), (inference, why)
 
 
 @pytest.mark.subprocess

@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from . import infer
 from .dense import experts_forward as dense_experts_forward
 from .activations import activation_key
 from .experts import REFERENCE, DispatchOps, run_experts
@@ -323,7 +324,22 @@ def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
     report["grouped_mm"] = ("compiled C++: one call, a GEMM per expert", why)
     report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
     report["experts (whole layer)"] = ("compiled C++: one call forward, one backward", "CPU")
+    report["experts, inference"] = _inference_row()
     return report
+
+
+def _inference_row() -> tuple[str, str]:
+    """(implementation, why) of the experts without gradients on CPU (`hf_moe.ops.infer`): which weights the
+    inference kernel takes on this CPU, and up to how many tokens a layer call."""
+    taken = ["int8"] + [name for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                        if infer.serves(dtype)]
+    limits = [f"{name} calls of at most {infer.max_tokens(dtype)} tokens (ATen's GEMM beyond)"
+              for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+              if infer.serves(dtype) and infer.max_tokens(dtype) is not None]
+    left = [name for name in ("fp32", "bf16") if name not in taken]
+    why = "; ".join(limits + ([f"{' and '.join(left)} weights keep ATen's GEMMs with these kernels"] if left else [])
+                    or ["every token count"])
+    return f"compiled C++ ({infer.kernel_isa()} kernels): {', '.join(taken)} weights", why
 
 
 def _cuda_report() -> dict[str, tuple[str, str]]:
