@@ -331,14 +331,14 @@ def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
 def _inference_row() -> tuple[str, str]:
     """(implementation, why) of the experts without gradients on CPU (`hf_moe.ops.infer`): which weights the
     inference kernel takes on this CPU, and up to how many tokens a layer call."""
-    taken = ["int8"] + [name for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-                        if infer.serves(dtype)]
-    limits = [f"{name} calls of at most {infer.max_tokens(dtype)} tokens (ATen's GEMM beyond)"
-              for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-              if infer.serves(dtype) and infer.max_tokens(dtype) is not None]
-    left = [name for name in ("fp32", "bf16") if name not in taken]
-    why = "; ".join(limits + ([f"{' and '.join(left)} weights keep ATen's GEMMs with these kernels"] if left else [])
-                    or ["every token count"])
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    taken = ["int8"] + [name for name, dtype in dtypes.items() if infer.serves(dtype)]
+    notes = [f"{name} calls of at most {infer.max_tokens(dtype)} tokens (ATen's GEMM beyond)"
+             for name, dtype in dtypes.items() if infer.serves(dtype) and infer.max_tokens(dtype) is not None]
+    left = [name for name in dtypes if name not in taken]
+    if left:
+        notes.append(f"{' and '.join(left)} weights keep ATen's GEMMs with these kernels")
+    why = "; ".join(notes) or "any number of tokens per layer call"
     return f"compiled C++ ({infer.kernel_isa()} kernels): {', '.join(taken)} weights", why
 
 
