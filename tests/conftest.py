@@ -85,6 +85,16 @@ def assert_same_greedy(reference, fast, atol: float, rtol: float, near_tie: floa
         torch.testing.assert_close(fast_scores[:compared, row], ref_scores[:compared, row], atol=atol, rtol=rtol)
 
 
+def cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA (Linux's /proc/cpuinfo; False where it cannot be read), as the test's
+    oracle for what hf_moe's kernels pick, independent of them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {"avx2", "fma"} <= set(f.read().split())
+    except OSError:
+        return False
+
+
 def random_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)

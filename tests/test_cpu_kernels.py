@@ -12,6 +12,7 @@ from hf_moe.ops import REFERENCE, _compiled, experts_forward, load_extension, us
 from hf_moe.ops import reference as ref
 from hf_moe.ops.experts import run_experts
 from hf_moe.ops.int8 import dequantize_int8, quantize_int8
+from conftest import cpu_has_avx2_fma
 from test_ops import _Experts, _routing
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the kernels' split of rows over threads
@@ -30,19 +31,11 @@ def compiled():
 KERNEL_SETS = ["auto", "avx2", "portable"]
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {"avx2", "fma"} <= set(f.read().split())
-    except OSError:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def _kernel_set_runs_here(request):
     """Skips the "avx2" cases on a CPU without AVX2 and FMA (where the op refuses the name)."""
     params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("kernels") == "avx2" and not _cpu_has_avx2_fma():
+    if params is not None and params.params.get("kernels") == "avx2" and not cpu_has_avx2_fma():
         pytest.skip("this CPU has no AVX2 with FMA")
 
 

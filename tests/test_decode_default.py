@@ -26,7 +26,7 @@ from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
 from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
 
-from conftest import StreamedTokens, random_ids, tiny_dense, tiny_tokenizer
+from conftest import StreamedTokens, cpu_has_avx2_fma, random_ids, tiny_dense, tiny_tokenizer
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
 
@@ -41,7 +41,7 @@ def model_with(experts: str = "int8", dtype=torch.float32, family: str = "llama"
     """A tiny converted model, its experts int8 (`experts="int8"`) or left as they are ("plain"); skips where the
     one-op step cannot run them on this CPU."""
     if not _kernels_take(experts):
-        pytest.skip(f"the one-op step runs {experts} experts on AVX-512 BF16 CPUs only")
+        pytest.skip(f"the one-op step runs {experts} experts on CPUs with AVX-512 BF16 or AVX2 only")
     torch.manual_seed(0)
     moe = hf_moe.convert_to_moe(tiny_dense(family, seed=0), num_experts=4, top_k=2, noise=0.1, verify=False,
                                 **convert).eval().to(dtype)
@@ -71,6 +71,22 @@ def plans(plans, monkeypatch):
 
     monkeypatch.setattr(hf_moe.decode.torch, "compile", refuse)
     return plans
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_and_bf16_experts_take_the_one_op_step_on_a_cpu_with_avx2(dtype):
+    """A CPU with AVX2 and FMA, with or without AVX-512 BF16, runs fp32 and bf16 experts on the inference kernel (its
+    avx2 set beats torch's GEMMs there: docs/serving-cpu.md), so the plain call of such a model decodes with the
+    one-op step, not eagerly. The CPU's flags are read here, not asked of hf_moe."""
+    from hf_moe.ops import load_extension
+
+    if load_extension()[0] is None or not cpu_has_avx2_fma():
+        pytest.skip("needs the compiled extension and a CPU with AVX2 and FMA")
+    torch.manual_seed(0)
+    moe = hf_moe.convert_to_moe(tiny_dense("llama", seed=0), num_experts=4, top_k=2, noise=0.1,
+                                verify=False).eval().to(dtype)
+    choice = choose_decode(moe, 2)
+    assert choice.engine == "one_op", choice.reason
 
 
 @pytest.mark.parametrize("experts", ["int8", "plain"])
