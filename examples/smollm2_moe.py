@@ -7,8 +7,9 @@
 3. Fine-tune the MoE briefly with `transformers.Trainer` on a small local chat file (examples/finetune_trainer.py),
    with bf16 weights and Adafactor (see FINETUNE: under 6 GB where fp32 AdamW took 11.7 GB).
 4. It is saved per expert; reload it with `AutoModelForCausalLM` and generate.
-5. Serve it on the fast decode path (docs/serving-cpu.md): bf16 weights and `cache_implementation="static"`, which
-   compiles the decode step once; prints decode tokens/s there and on the default path.
+5. Serve it on the fast decode path (docs/serving-cpu.md): bf16 weights and the plain `generate` call, which decodes
+   with hf_moe's one-op step where it serves the model (nothing compiled); prints decode tokens/s there and with the
+   fp32 weights of step 4.
 
 At the end it prints the peak memory of each process (this one, `hf-moe convert`, the fine-tuning).
 
