@@ -295,9 +295,12 @@ class DecodePlan:
             raise RuntimeError("the one-op decode step needs hf_moe's compiled extension (`python -m hf_moe.env` "
                                "says why it is not loaded)")
         fields = _fields(model) if fields is None else fields
-        self.model = model
         self.key = fingerprint(fields)
         backbone = model.model
+        # The rotary module and the device, not the model: the model keeps its plan (`plan_for`), and a plan that
+        # kept the model would make a cycle, which holds the weights after the user's `del model` until the
+        # garbage collector runs.
+        self.rotary_emb, self.device = backbone.rotary_emb, backbone.embed_tokens.weight.device
         self.dtype = backbone.embed_tokens.weight.dtype
         (tensors, settings), layers = fields[0], fields[1:]
         self.settings = settings
@@ -312,10 +315,9 @@ class DecodePlan:
         """cos, sin [length, D] of positions 0 .. length - 1, from the model's rotary module (what it gives for
         each position alone: each value is one product and its cos or sin)."""
         if self.rotary is None or self.rotary[0] != length:
-            backbone = self.model.model
-            positions = torch.arange(length, device=backbone.embed_tokens.weight.device)[None]
+            positions = torch.arange(length, device=self.device)[None]
             probe = torch.empty(1, length, 1, dtype=self.dtype)
-            cos, sin = backbone.rotary_emb(probe, positions)  # [1, L, D] each
+            cos, sin = self.rotary_emb(probe, positions)  # [1, L, D] each
             self.rotary = (length, cos[0].contiguous(), sin[0].contiguous())
         return self.rotary[1], self.rotary[2]
 

@@ -13,8 +13,10 @@ mode too (AVX-512 BF16: hf_moe.ops.infer), so those cases skip elsewhere.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 
 import pytest
 import torch
@@ -87,6 +89,21 @@ def test_fp32_and_bf16_experts_take_the_one_op_step_on_a_cpu_with_avx2(dtype):
                                 verify=False).eval().to(dtype)
     choice = choose_decode(moe, 2)
     assert choice.engine == "one_op", choice.reason
+
+
+def test_a_model_that_decoded_with_its_plan_is_freed_with_its_last_reference(plans):
+    """The model keeps its plan; the plan does not keep the model, so `del model` frees the weights at once, not at
+    the garbage collector's next run (the plans fixture keeps the plans themselves)."""
+    moe = model_with("int8")
+    greedy(moe, random_ids(1, 6), 3)
+    assert len(plans) == 1
+    gone = weakref.ref(moe)
+    gc.disable()  # a collection here would hide a cycle
+    try:
+        del moe
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("experts", ["int8", "plain"])
