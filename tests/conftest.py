@@ -63,10 +63,10 @@ class StreamedTokens:
 
 def assert_same_greedy(reference, fast, atol: float, rtol: float, near_tie: float = 0.0) -> None:
     """That two greedy `generate` outputs (`return_dict_in_generate=True, output_scores=True`) agree: the same tokens,
-    and scores within atol and rtol. With `near_tie` (bf16, where two engines round in different places), a row may
-    part from the reference at a step where the reference scored the other engine's token within `near_tie` times
-    its best score's magnitude of that best (a near tie that either rounding can break); that row is compared up to
-    and including that step."""
+    and scores within atol and rtol. With `near_tie` > 0 (bf16, where two engines round in different places), a row
+    may part from the reference at a step where the reference scored the other engine's token below its best by at
+    most `near_tie` times the best's magnitude (a near tie that either rounding can break); that row is compared up
+    to and including that step. Without it, every token must be the same."""
     ref_scores, fast_scores = torch.stack(reference.scores).float(), torch.stack(fast.scores).float()  # [T, B, V]
     steps = ref_scores.shape[0]
     prompt = reference.sequences.shape[1] - steps
@@ -78,11 +78,11 @@ def assert_same_greedy(reference, fast, atol: float, rtol: float, near_tie: floa
         if end < steps:
             scores = ref_scores[end, row]
             best, other = scores[ref[end]], scores[got[end]]
-            assert best - other <= near_tie * best.abs(), (
+            assert near_tie > 0 and best - other <= near_tie * best.abs(), (
                 f"row {row} parts from the reference at new token {end}: {int(got[end])} (scored {other:.6g} by the "
                 f"reference) for {int(ref[end])} (scored {best:.6g}), not a near tie")
         compared = min(end + 1, steps)
-        torch.testing.assert_close(fast_scores[:compared, row], ref_scores[:compared, row], atol=atol, rtol=rtol)
+        torch.testing.assert_close(ref_scores[:compared, row], fast_scores[:compared, row], atol=atol, rtol=rtol)
 
 
 def cpu_has_avx2_fma() -> bool:

@@ -85,6 +85,9 @@ def test_greedy_outputs_may_part_only_at_a_near_tie():
     assert_same_greedy(reference, near, atol=0, rtol=0, near_tie=0.02)
     with pytest.raises(AssertionError, match="parts from the reference at new token 0"):
         assert_same_greedy(reference, near, atol=0, rtol=0)
+    tie = output([1, 2], [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]])
+    with pytest.raises(AssertionError, match="parts from the reference"):  # an exact tie, and no near_tie given
+        assert_same_greedy(tie, output([2, 0], [[0.0, 1.0, 1.0], [5.0, 0.0, 0.0]]), atol=0, rtol=0)
     wide = output([2, 0], [[0.0, 1.0, 0.5], [5.0, 0.0, 0.0]])
     with pytest.raises(AssertionError, match="not a near tie"):
         assert_same_greedy(output([1, 2], [[0.0, 1.0, 0.5], [0.0, 0.0, 1.0]]), wide, atol=0, rtol=0, near_tie=0.02)

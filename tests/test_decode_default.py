@@ -8,7 +8,7 @@
 - the plan is built once, kept across calls, and rebuilt when the weights change; two threads may decode at once.
 
 int8 experts run the one-op step on every CPU; fp32 and bf16 experts only where their compiled kernel runs in eager
-mode too (AVX-512 BF16: hf_moe.ops.infer), so those cases skip elsewhere.
+mode too (AVX-512 BF16 or AVX2: hf_moe.ops.infer.serves), so those cases skip elsewhere.
 """
 
 from __future__ import annotations
@@ -28,25 +28,30 @@ from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
 from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
 
-from conftest import StreamedTokens, cpu_has_avx2_fma, random_ids, tiny_dense, tiny_tokenizer
+from conftest import StreamedTokens, assert_same_greedy, cpu_has_avx2_fma, random_ids, tiny_dense, tiny_tokenizer
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
 
 
-def _kernels_take(experts: str) -> bool:
+def _kernels_take(experts: str, dtype: torch.dtype) -> bool:
     from hf_moe.ops import infer, load_extension
 
-    return load_extension()[0] is not None and (experts == "int8" or infer.serves(torch.bfloat16))
+    return load_extension()[0] is not None and (experts == "int8" or infer.serves(dtype))
+
+
+def converted(dtype=torch.float32, family: str = "llama", **convert):
+    """A tiny converted model in eval mode, its experts as the conversion leaves them."""
+    torch.manual_seed(0)
+    return hf_moe.convert_to_moe(tiny_dense(family, seed=0), num_experts=4, top_k=2, noise=0.1, verify=False,
+                                 **convert).eval().to(dtype)
 
 
 def model_with(experts: str = "int8", dtype=torch.float32, family: str = "llama", **convert):
     """A tiny converted model, its experts int8 (`experts="int8"`) or left as they are ("plain"); skips where the
     one-op step cannot run them on this CPU."""
-    if not _kernels_take(experts):
+    if not _kernels_take(experts, dtype):
         pytest.skip(f"the one-op step runs {experts} experts on CPUs with AVX-512 BF16 or AVX2 only")
-    torch.manual_seed(0)
-    moe = hf_moe.convert_to_moe(tiny_dense(family, seed=0), num_experts=4, top_k=2, noise=0.1, verify=False,
-                                **convert).eval().to(dtype)
+    moe = converted(dtype, family, **convert)
     return hf_moe.quantize_experts(moe, "int8") if experts == "int8" else moe
 
 
@@ -58,9 +63,9 @@ def greedy(model, ids, new_tokens, mask=None, **kwargs):
 
 
 def assert_same(eager, fast, dtype):
-    assert torch.equal(eager.sequences, fast.sequences)
+    """The same tokens, and scores within the dtype's tolerance."""
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
-    torch.testing.assert_close(torch.stack(eager.scores), torch.stack(fast.scores), **tolerance)
+    assert_same_greedy(eager, fast, **tolerance)
 
 
 @pytest.fixture
@@ -84,9 +89,7 @@ def test_fp32_and_bf16_experts_take_the_one_op_step_on_a_cpu_with_avx2(dtype):
 
     if load_extension()[0] is None or not cpu_has_avx2_fma():
         pytest.skip("needs the compiled extension and a CPU with AVX2 and FMA")
-    torch.manual_seed(0)
-    moe = hf_moe.convert_to_moe(tiny_dense("llama", seed=0), num_experts=4, top_k=2, noise=0.1,
-                                verify=False).eval().to(dtype)
+    moe = converted(dtype)
     choice = choose_decode(moe, 2)
     assert choice.engine == "one_op", choice.reason
 
