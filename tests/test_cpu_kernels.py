@@ -158,6 +158,35 @@ def test_a_prefill_of_int8_experts_in_bf16_computes_in_fp32_without_bf16_instruc
 
 
 @pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("hidden,inter", [(13, 61), (14, 62), (17, 59), (20, 56), (23, 45), (27, 68)])
+def test_gemm_outputs_do_not_depend_on_the_register_tile_they_fall_in(hidden, inter, kind, kernels, compiled):
+    """Experts with 16 rows or more take the GEMM kernels, which compute a few weight rows at a time in register tiles
+    of several widths (the avx2 set: 12 rows per call, in tiles of six and what is left; 8 as 4 + 4). These sizes leave
+    tiles of every width in both products, and an odd input count in the second. Each output equals the reference,
+    and sums its products in one order whatever tile it falls in: with w2's rows (the hidden columns) reversed, the
+    output is the same columns reversed, bit for bit."""
+    index, weights = _routing(40, 2, 3, "one_expert")  # 40 rows on experts 0 and 1: three 16-row panels each
+    weights = weights.float()
+    x = torch.randn(40, hidden, generator=torch.Generator().manual_seed(2))
+    w1, b1, w2, b2 = _weights(3, hidden, inter, True, False)
+    (w1_, s1, w2_, s2), (d1, d2) = _prepared(kind, w1, w2, hidden, inter)
+    bf16 = kind == "bf16"
+    x = x.bfloat16() if bf16 else x
+    if bf16:
+        d1, d2 = d1.bfloat16(), d2.bfloat16()
+
+    def run(w2_, s2):
+        return torch.ops.hf_moe.moe_experts_infer(x, index, weights, w1_, s1, None, w2_, s2, None, "silu", True,
+                                                  kernels)
+
+    out = run(w2_, s2)
+    _close(out, _oracle(x, index, weights, d1, None, d2, None, "silu", True, bf16, bf16), bf16)
+    flipped = run(w2_.flip(1).contiguous(), None if s2 is None else s2.flip(1).contiguous())
+    assert torch.equal(flipped.flip(1), out)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 def test_infer_every_activation(activation, kind, kernels, compiled):

@@ -135,11 +135,11 @@ struct ExpertInput {
   bool packed;
   int64_t ld, rows, k;
 
-  int64_t step() const { return packed ? infer::kGemmCols : kTile; }  // weight rows per kernel call
+  int64_t step(const Kernels& kn) const { return packed ? kn.gemm_cols : kTile; }  // weight rows per kernel call
 };
 
-// out[r * ldo + j] = x_r . w_e[r0 + j] for r < x.rows, j < cols <= x.step(): int8 weight rows dequantized in registers
-// against x.f32 where it is set, else the weight rows (int8 ones dequantized into `scratch`) against x.data.
+// out[r * ldo + j] = x_r . w_e[r0 + j] for r < x.rows, j < cols <= x.step(kn): int8 weight rows dequantized in
+// registers against x.f32 where it is set, else the weight rows (int8 ones dequantized into `scratch`) against x.data.
 template <typename T>
 void multiply(const Kernels& kn, const ExpertInput<T>& x, const WeightRows<T>& w, int64_t e, int64_t r0, int cols,
               T* scratch, float* out, int64_t ldo) {
@@ -290,7 +290,7 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const Wei
   {
     // Scratch: two blocks of dequantized weight rows (int8), the gate and up sums of phase 1, one row of
     // activations (fp32, and in the compute type), the output sums of phase 2.
-    constexpr int64_t kRows = std::max<int64_t>(kTile, infer::kGemmCols);
+    constexpr int64_t kRows = std::max<int64_t>(kTile, infer::kGemmColsMax);
     const int64_t kmax = std::max(hid, inter), most = std::max<int64_t>(largest, 1);
     float* scratch = thread_scratch(2 * kRows * kmax + 2 * kUpBlock * most + 2 * kUpBlock + kDownBlock * most +
                                     (int8 ? kmax * std::min<int64_t>(most, infer::kGemmRows) : 0));
@@ -314,8 +314,8 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const Wei
       const int64_t j0 = (task % up_blocks) * kUpBlock, width = std::min(kUpBlock, inter - j0);
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       const ExpertInput<T> xe = x_rows.input(xs.data(), e, rows, hid, int8, x_f32);
-      for (int64_t j = 0; j < width; j += xe.step()) {
-        const int cols = static_cast<int>(std::min<int64_t>(xe.step(), width - j));
+      for (int64_t j = 0; j < width; j += xe.step(kn)) {
+        const int cols = static_cast<int>(std::min<int64_t>(xe.step(kn), width - j));
         for (int half = 0; half < (glu ? 2 : 1); ++half)
           multiply(kn, xe, up, e, half * inter + j0 + j, cols, wbuf + half * kRows * kmax, (half ? upv : gate) + j,
                    kUpBlock);
@@ -353,8 +353,8 @@ void run(const Kernels& kn, const at::Tensor& x, ExpertsWorkspace& ws, const Wei
       for (int64_t e : experts) {
         const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
         const ExpertInput<T> ae = a_rows.input(a.data(), e, rows, inter, int8, x_f32);
-        for (int64_t j = 0; j < width; j += ae.step()) {
-          const int cols = static_cast<int>(std::min<int64_t>(ae.step(), width - j));
+        for (int64_t j = 0; j < width; j += ae.step(kn)) {
+          const int cols = static_cast<int>(std::min<int64_t>(ae.step(kn), width - j));
           multiply(kn, ae, down, e, n0 + j, cols, wbuf, ybuf + j, kDownBlock);
         }
         const float* b = bias2_p ? bias2_p + e * hid + n0 : nullptr;

@@ -427,12 +427,14 @@ HF_AVX512 void gemm_bf16_avx512(const uint16_t* w, int64_t ldw, int cols, const 
 
 #endif
 
-const Kernels kPortable{"portable",        dot_f32_portable,  dot_bf16_portable,  dot_q8_portable, dequant_f32_portable,
+const Kernels kPortable{"portable",           8,
+                        dot_f32_portable,     dot_bf16_portable, dot_q8_portable,   dequant_f32_portable,
                         dequant_bf16_portable, to_bf16_portable, gemm_f32_portable, gemm_bf16_portable,
                         activate_portable};
 #ifdef HF_MOE_HAS_AVX512_KERNELS
-const Kernels kAvx512Table{"avx512_bf16",       dot_f32_avx512,  dot_bf16_avx512,  dot_q8_avx512, dequant_f32_avx512,
-                           dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512,  gemm_bf16_avx512,
+const Kernels kAvx512Table{"avx512_bf16",       8,
+                           dot_f32_avx512,      dot_bf16_avx512, dot_q8_avx512,   dequant_f32_avx512,
+                           dequant_bf16_avx512, to_bf16_avx512,  gemm_f32_avx512, gemm_bf16_avx512,
                            activate_avx512};
 const Kernels* const kAvx512 = &kAvx512Table;
 #else
@@ -441,9 +443,10 @@ const Kernels* const kAvx512 = nullptr;
 #ifdef HF_MOE_HAS_AVX2_KERNELS
 // AVX2 for the kernels that do one operation per weight per token, and for dequantizing to fp32 (a prefill's, on
 // such a CPU: infer_cpu.cpp); the portable ones for the rest.
-const Kernels kAvx2Table{"avx2",           dot_f32_avx2,     dot_bf16_avx2,  dot_q8_avx2,
-                         dequant_f32_avx2, dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,
-                         gemm_bf16_avx2,   activate_portable};
+const Kernels kAvx2Table{"avx2",           12,
+                         dot_f32_avx2,     dot_bf16_avx2,         dot_q8_avx2,      dequant_f32_avx2,
+                         dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,    gemm_bf16_avx2,
+                         activate_portable};
 const Kernels* const kAvx2 = &kAvx2Table;
 #else
 const Kernels* const kAvx2 = nullptr;

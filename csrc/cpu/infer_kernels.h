@@ -19,9 +19,9 @@ namespace hf_moe {
 namespace infer {
 
 // Experts with at least this many rows (prefill) take the GEMM kernels: their activations are packed once, k-major
-// (`packed` below), and every weight row is broadcast against 32 activation rows at a time.
+// (`packed` below), and every weight row is broadcast against 16 or 32 activation rows at a time.
 constexpr int64_t kGemmRows = 16;
-constexpr int kGemmCols = 8;  // weight rows per GEMM register tile (and per dequantized block)
+constexpr int kGemmColsMax = 12;  // the most weight rows per GEMM call (Kernels::gemm_cols), and per dequantized block
 
 // Packed activations of one expert, `ld` >= rows (a multiple of 16), zero past the rows:
 //   fp32: packed[c * ld + m] = x[m][c]          bf16: packed[(c / 2) * 2 * ld + 2 * m + c % 2] = x[m][c]
@@ -31,6 +31,7 @@ inline int64_t packed_index_bf16(int64_t c, int64_t m, int64_t ld) { return (c /
 
 struct Kernels {
   const char* isa;  // "avx512_bf16", "avx2" or "portable"
+  int gemm_cols;    // weight rows per GEMM call (<= kGemmColsMax): a whole number of the set's register tiles
   // out[m * ldo + j] = sum_k x[m * ldx + k] * w[j * ldw + k], for m < rows, j < cols <= kTile.
   void (*dot_f32)(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int cols, int64_t k,
                   float* out, int64_t ldo);

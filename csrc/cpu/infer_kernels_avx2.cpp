@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #define HF_AVX2 __attribute__((target("avx2,fma")))
 
@@ -85,77 +87,117 @@ HF_AVX2 void dot_all(const typename L::T* x, int64_t ldx, int64_t rows, const ty
     for (int64_t m = 0; m < rows; ++m) out[m * ldo + j] = dot<L, L>(x + m * ldx, w + j * ldw, k);
 }
 
-// NJ weight rows against 16 packed activation rows from m0 (two vectors of eight), into out. The packed rows are
-// zero past `rows` and `ld` is a multiple of 16, so the loads stay inside; only the real rows are stored.
+// The GEMM register tile: NJ <= 6 weight rows against 16 packed activation rows from m0 (two vectors of eight),
+// NJ x 2 fp32 sums. Six rows make 12 sums, with the two activation vectors and one broadcast weight 15 of AVX2's 16
+// registers: enough independent FMAs in flight to cover their latency on two ports, where a tile of four rows (eight
+// sums) left the FMA units idle part of the time (docs/serving-cpu.md, "A wider GEMM tile, and the prompt's linear
+// layers"). Each sum adds its products in input order, one FMA after another, so the tile's width does not change a
+// single bit.
+constexpr int kTileRows = 6;
+
+// The packed rows are zero past `rows` and `ld` is a multiple of 16, so the loads stay inside; only the real rows are
+// stored. Inlined and unrolled, so that the compiler keeps the sums in registers through the loop (an array it
+// could index at run time would live on the stack, stored back at every step).
 template <int NJ>
-HF_AVX2 void store_tile(const __m256 (&acc)[NJ][2], int64_t m0, int64_t rows, int j0, float* out, int64_t ldo) {
+HF_AVX2 __attribute__((always_inline)) inline void store_tile(const __m256 (&acc)[NJ][2], int64_t m0, int64_t rows,
+                                                              float* out, int64_t ldo) {
   const int64_t n = std::min<int64_t>(16, rows - m0);
+  float lanes[NJ][16];
+#pragma GCC unroll 6
   for (int j = 0; j < NJ; ++j) {
-    float lanes[16];
-    _mm256_storeu_ps(lanes, acc[j][0]);
-    _mm256_storeu_ps(lanes + 8, acc[j][1]);
-    for (int64_t m = 0; m < n; ++m) out[(m0 + m) * ldo + j0 + j] = lanes[m];
+    _mm256_storeu_ps(lanes[j], acc[j][0]);
+    _mm256_storeu_ps(lanes[j] + 8, acc[j][1]);
   }
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t m = 0; m < n; ++m) out[(m0 + m) * ldo + j] = lanes[j][m];
 }
 
+// fp32: w holds NJ fp32 weight rows (stride ldw), each value broadcast against 16 activation rows.
 template <int NJ>
 HF_AVX2 void gemm_tile(const float* w, int64_t ldw, const float* packed, int64_t ld, int64_t m0, int64_t rows,
-                           int64_t k, int j0, float* out, int64_t ldo) {
+                       int64_t k, float* out, int64_t ldo) {
   __m256 acc[NJ][2];
+#pragma GCC unroll 6
   for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < k; ++c) {
     const __m256 x0 = _mm256_loadu_ps(packed + c * ld + m0), x1 = _mm256_loadu_ps(packed + c * ld + m0 + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int j = 0; j < NJ; ++j) {
-      const __m256 wv = _mm256_set1_ps(w[(j0 + j) * ldw + c]);
+      const __m256 wv = _mm256_broadcast_ss(w + j * ldw + c);
       acc[j][0] = _mm256_fmadd_ps(wv, x0, acc[j][0]);
       acc[j][1] = _mm256_fmadd_ps(wv, x1, acc[j][1]);
     }
   }
-  store_tile<NJ>(acc, m0, rows, j0, out, ldo);
+  store_tile<NJ>(acc, m0, rows, out, ldo);
 }
 
 // bf16 activations are packed in pairs of inputs (infer_kernels.h): eight 32-bit lanes hold inputs c and c + 1 of
-// eight rows, c's bits in the low half and c + 1's in the high half, so a shift and a mask give both as fp32.
+// eight rows, c's bits in the low half and c + 1's in the high half, so a shift gives input c as fp32 and a mask
+// input c + 1. The weights come widened to fp32 (`wide`: NJ rows of k, exact), so each is one broadcast; the rows of
+// input c go first and then those of c + 1, which keeps every sum's order. Sixteen registers: 12 sums, two activation
+// vectors, a broadcast weight and the mask.
 template <int NJ>
-HF_AVX2 void gemm_tile(const uint16_t* w, int64_t ldw, const uint16_t* packed, int64_t ld, int64_t m0,
-                            int64_t rows, int64_t k, int j0, float* out, int64_t ldo) {
+HF_AVX2 void gemm_tile(const float* wide, int64_t k, const uint16_t* packed, int64_t ld, int64_t m0, int64_t rows,
+                       float* out, int64_t ldo) {
   __m256 acc[NJ][2];
+#pragma GCC unroll 6
   for (int j = 0; j < NJ; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t c = 0; c < k; c += 2) {
-    const uint16_t* pair = packed + packed_index_bf16(c, m0, ld);
-    __m256 even[2], odd[2];
-    for (int b = 0; b < 2; ++b) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 16 * b));
-      even[b] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      odd[b] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-    }
-    const bool two = c + 1 < k;  // past k the packed input is zero, but the weight row ends
-#pragma GCC unroll 4
+    const __m256i* pair = reinterpret_cast<const __m256i*>(packed + packed_index_bf16(c, m0, ld));
+    __m256 x0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pair), 16));
+    __m256 x1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(pair + 1), 16));
+#pragma GCC unroll 6
     for (int j = 0; j < NJ; ++j) {
-      const uint16_t* row = w + (j0 + j) * ldw + c;
-      const __m256 w0 = _mm256_set1_ps(BF16::one(row[0])), w1 = _mm256_set1_ps(two ? BF16::one(row[1]) : 0.0f);
-      for (int b = 0; b < 2; ++b) acc[j][b] = _mm256_fmadd_ps(w1, odd[b], _mm256_fmadd_ps(w0, even[b], acc[j][b]));
+      const __m256 wv = _mm256_broadcast_ss(wide + j * k + c);
+      acc[j][0] = _mm256_fmadd_ps(wv, x0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(wv, x1, acc[j][1]);
+    }
+    if (c + 1 == k) break;  // past k the packed input is zero, but the weight rows end
+    x0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pair), high));
+    x1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(pair + 1), high));
+#pragma GCC unroll 6
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 wv = _mm256_broadcast_ss(wide + j * k + c + 1);
+      acc[j][0] = _mm256_fmadd_ps(wv, x0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(wv, x1, acc[j][1]);
     }
   }
-  store_tile<NJ>(acc, m0, rows, j0, out, ldo);
+  store_tile<NJ>(acc, m0, rows, out, ldo);
 }
 
-// Every 16 activation rows against every four weight rows (the last tile with the weight rows left), fp32 or bf16
-// by the overload of gemm_tile that T picks.
-template <typename T>
-HF_AVX2 void gemm_all(const T* w, int64_t ldw, int cols, const T* packed, int64_t ld, int64_t rows, int64_t k,
-                      float* out, int64_t ldo) {
-  for (int64_t m0 = 0; m0 < rows; m0 += 16)
-    for (int j0 = 0; j0 < cols; j0 += 4) {
-      switch (std::min(4, cols - j0)) {
-        case 1: gemm_tile<1>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        case 2: gemm_tile<2>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        case 3: gemm_tile<3>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-        default: gemm_tile<4>(w, ldw, packed, ld, m0, rows, k, j0, out, ldo); break;
-      }
-    }
+// Rows of bf16 bits widened to fp32 (exact): dst[j * k + c] = w[j * ldw + c], eight at a time.
+HF_AVX2 void widen_bf16(const uint16_t* w, int64_t ldw, int rows, int64_t k, float* dst) {
+  for (int j = 0; j < rows; ++j) {
+    const uint16_t* src = w + j * ldw;
+    float* row = dst + j * k;
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) _mm256_storeu_ps(row + c, BF16::load8(src + c));
+    for (; c < k; ++c) row[c] = BF16::one(src[c]);
+  }
+}
+
+// How many weight rows the next tile takes, of `left`: six, but 8 as 4 + 4 (a 2-row tile's four sums would idle the
+// FMA units more than two 4-row tiles' eight).
+inline int tile_width(int left) { return left == 8 ? 4 : std::min(kTileRows, left); }
+
+template <typename Tile>
+void for_tile_width(int nj, Tile&& tile) {
+  switch (nj) {
+    case 1: tile(std::integral_constant<int, 1>()); break;
+    case 2: tile(std::integral_constant<int, 2>()); break;
+    case 3: tile(std::integral_constant<int, 3>()); break;
+    case 4: tile(std::integral_constant<int, 4>()); break;
+    case 5: tile(std::integral_constant<int, 5>()); break;
+    default: tile(std::integral_constant<int, 6>()); break;
+  }
+}
+
+// Per-thread room for one tile's weight rows widened to fp32 (bf16), grown on demand and kept.
+float* wide_scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
 }
 
 }  // namespace
@@ -207,14 +249,30 @@ HF_AVX2 void dequant_f32_avx2(const int8_t* q, int64_t ldq, const float* scale, 
     }
 }
 
+// Weight tiles outside, 16-row activation panels inside: a tile's rows (and, for bf16, their fp32 copy) stay in L1
+// while the expert's panels stream past them.
 HF_AVX2 void gemm_f32_avx2(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
                            int64_t k, float* out, int64_t ldo) {
-  gemm_all(w, ldw, cols, packed, ld, rows, k, out, ldo);
+  for (int j0 = 0, nj; j0 < cols; j0 += nj) {
+    nj = tile_width(cols - j0);
+    for_tile_width(nj, [&](auto n) {
+      for (int64_t m0 = 0; m0 < rows; m0 += 16)
+        gemm_tile<decltype(n)::value>(w + j0 * ldw, ldw, packed, ld, m0, rows, k, out + j0, ldo);
+    });
+  }
 }
 
 HF_AVX2 void gemm_bf16_avx2(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld,
                             int64_t rows, int64_t k, float* out, int64_t ldo) {
-  gemm_all(w, ldw, cols, packed, ld, rows, k, out, ldo);
+  float* wide = wide_scratch(kTileRows * k);
+  for (int j0 = 0, nj; j0 < cols; j0 += nj) {
+    nj = tile_width(cols - j0);
+    widen_bf16(w + j0 * ldw, ldw, nj, k, wide);
+    for_tile_width(nj, [&](auto n) {
+      for (int64_t m0 = 0; m0 < rows; m0 += 16)
+        gemm_tile<decltype(n)::value>(wide, k, packed, ld, m0, rows, out + j0, ldo);
+    });
+  }
 }
 
 }  // namespace infer
