@@ -46,6 +46,7 @@ from .decode import ONE_OP, choose_decode, say
 from .decode_one_op import plan_for
 from .huge_pages import back_with_huge_pages
 from .memory import SKIP_VARIABLE, format_bytes, free_memory, size_check_skipped
+from .ops.prefill_linears import linears_on_linear_infer
 
 MIN_CACHE_LEN = 256  # tokens (prompt + new) the static cache holds at least
 STATIC = "static"
@@ -393,9 +394,11 @@ def one_op_sample(model, input_ids: torch.Tensor, logits_processor, stopping_cri
             generation_config.output_hidden_states):
         raise ValueError("The one-op decode step gives logits only: drop prefill_chunk_size, output_attentions and "
                          "output_hidden_states, or call model.generate without custom_generate.")
-    # The prompt: the model's own forward (transformers' prefill of a fresh cache)
+    # The prompt: the model's own forward (transformers' prefill of a fresh cache), its bf16 linear layers on
+    # hf_moe's linear op where ATen's bf16 GEMM is slow (hf_moe.ops.prefill_linears)
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
-    logits = model(**inputs, return_dict=True).logits[:, -1].to(copy=True, dtype=torch.float32)
+    with linears_on_linear_infer():
+        logits = model(**inputs, return_dict=True).logits[:, -1].to(copy=True, dtype=torch.float32)
     layers = static_cache_layers(cache)
     if layers is None or layers[0][0].shape[0] != input_ids.shape[0]:
         raise ValueError("The one-op decode step needs transformers' static cache: pass cache_implementation="
