@@ -221,6 +221,14 @@ def kernels(model, repeats: int) -> dict[str, float]:
     def per_step(fn, items):
         return lambda: [fn(item) for item in items]
 
+    # Every layer's q/k/v/o rows in one matrix, read by one linear_infer call: the same bytes as the projections of a
+    # step in one stream, the rate the attention sub-block would read its weights at with no per-layer start and stop.
+    projection_weights = [linear_weights(m) for layer in layers for m in
+                          (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj)]
+    stacked = None
+    if all(scale is None and bias is None for _, scale, bias in projection_weights):
+        stacked = torch.cat([weight for weight, _, _ in projection_weights])
     head = model.lm_head
     head_weight, head_scale, head_bias = linear_weights(head)
     parts = {
@@ -230,6 +238,11 @@ def kernels(model, repeats: int) -> dict[str, float]:
             lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None], enable_gqa=True),
             repeats),
         "attention sub-block, hf_moe::decode_attention_block": median_ms(per_step(block_as_one_op, layers), repeats),
+        "  its q/k/v/o weights, each layer's one linear_infer call at a time": median_ms(
+            per_step(lambda w: torch.ops.hf_moe.linear_infer(x, *w), projection_weights), repeats),
+        **({} if stacked is None else {  # (not for int8 projections: their scales differ by layer)
+            "  its q/k/v/o weights of every layer, one linear_infer call": median_ms(
+                lambda: torch.ops.hf_moe.linear_infer(x, stacked, None, None), repeats)}),
         "router": median_ms(per_step(lambda block: block.gate(x), blocks), repeats),
         "experts (hf_moe::moe_experts_infer)": median_ms(
             per_step(lambda i: blocks[i].experts(x, *dispatch[i]), range(len(blocks))), repeats),
