@@ -50,6 +50,9 @@ def test_compiled_backend_is_active_here():
     assert f"({infer.kernel_isa()} kernels)" in inference and "int8" in inference
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         assert (name in inference) == infer.serves(dtype), (inference, why)
+    # and what a prompt's bf16 linear layers run on in hf_moe's own generate loop (hf_moe.ops.prefill_linears)
+    linears, why = backend_report()["prompt's bf16 linears"]
+    assert ("linear_infer" in linears) == (infer.kernel_isa() == "avx2"), (linears, why)
 
 
 @pytest.mark.subprocess

@@ -33,6 +33,7 @@ from .activations import activation_key
 from .experts import REFERENCE, DispatchOps, run_experts
 from .reference import GROUPED_MM_WHY, KERNEL_ACTIVATIONS
 from .extension import backend_setting, load_extension
+from .prefill_linears import LinearInferMode, linears_on_linear_infer
 
 __all__ = [
     "BACKENDS", "REFERENCE", "autocast_cast", "backend_report", "cuda_default", "dispatch_ops", "expert_weights",
@@ -325,6 +326,7 @@ def _cpu_report(setting: str) -> dict[str, tuple[str, str]]:
     report["expert_act"] = ("compiled C++: silu, gelu, gelu_tanh, relu, relu2", "other activations run in torch")
     report["experts (whole layer)"] = ("compiled C++: one call forward, one backward", "CPU")
     report["experts, inference"] = _inference_row()
+    report["prompt's bf16 linears"] = _prompt_linears_row()
     return report
 
 
@@ -340,6 +342,15 @@ def _inference_row() -> tuple[str, str]:
         notes.append(f"{' and '.join(left)} weights keep ATen's GEMMs with these kernels")
     why = "; ".join(notes) or "any number of tokens per layer call"
     return f"compiled C++ ({infer.kernel_isa()} kernels): {', '.join(taken)} weights", why
+
+
+def _prompt_linears_row() -> tuple[str, str]:
+    """(implementation, why) of a prompt's bf16 `nn.Linear`s in hf_moe's own generate loop (`prefill_linears`)."""
+    if isinstance(linears_on_linear_infer(), LinearInferMode):
+        return ("hf_moe::linear_infer: the same bf16 values multiplied in fp32, rounded to bf16 once",
+                "avx2 kernels: ATen's bf16 GEMM has no fast path without AVX-512 BF16 (the plain generate's own loop "
+                "only; a forward of your own stays on ATen)")
+    return "ATen", f"{infer.kernel_isa()} kernels: ATen's bf16 GEMM is kept"
 
 
 def _cuda_report() -> dict[str, tuple[str, str]]:
