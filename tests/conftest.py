@@ -47,6 +47,16 @@ def tiny_dense(model_type: str = "llama", seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).eval()
 
 
+def tiny_converted(model_type: str = "llama", seed: int = 0, **convert):
+    """`tiny_dense` converted to 4 experts, top-2 (noise 0.1, unverified), in eval mode, fp32: the decode tests'
+    model. `convert` goes to `convert_to_moe` (layers, shared experts, ...)."""
+    import hf_moe
+
+    torch.manual_seed(seed)
+    dense = tiny_dense(model_type, seed=seed)
+    return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.1, verify=False, **convert).eval()
+
+
 class StreamedTokens:
     """A `generate` streamer (transformers' BaseStreamer interface) that keeps what it is given, each put as a list
     (the prompt's [B, T], then each step's [B]), and whether it was ended."""

@@ -24,12 +24,11 @@ from hf_moe.generation import (
     MIN_CACHE_LEN, cache_length, decode_compile_config, fast_decode_kwargs, one_op_sample, prepare_generate_kwargs,
 )
 
-from conftest import VOCAB, random_ids, tiny_dense, tiny_tokenizer
+from conftest import VOCAB, random_ids, tiny_converted, tiny_dense, tiny_tokenizer
 
 
 def converted(seed: int = 0):
-    torch.manual_seed(seed)
-    return hf_moe.convert_to_moe(tiny_dense(seed=seed), num_experts=4, top_k=2, noise=0.1, verify=False).eval()
+    return tiny_converted(seed=seed)
 
 
 # The attention-block step (hf_moe.decode), where the one-op step (hf_moe.decode_one_op, tests/test_decode_one_op.py)

@@ -28,7 +28,9 @@ from hf_moe.decode import choose_decode
 from hf_moe.decode_one_op import PLAN
 from hf_moe.generation import decode_compile_config, one_op_sample, prepare_generate_kwargs
 
-from conftest import StreamedTokens, assert_same_greedy, cpu_has_avx2_fma, random_ids, tiny_dense, tiny_tokenizer
+from conftest import (
+    StreamedTokens, assert_same_greedy, cpu_has_avx2_fma, random_ids, tiny_converted, tiny_dense, tiny_tokenizer,
+)
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs
 
@@ -41,9 +43,7 @@ def _kernels_take(experts: str, dtype: torch.dtype) -> bool:
 
 def converted(dtype=torch.float32, family: str = "llama", **convert):
     """A tiny converted model in eval mode, its experts as the conversion leaves them."""
-    torch.manual_seed(0)
-    return hf_moe.convert_to_moe(tiny_dense(family, seed=0), num_experts=4, top_k=2, noise=0.1, verify=False,
-                                 **convert).eval().to(dtype)
+    return tiny_converted(family, **convert).to(dtype)
 
 
 def model_with(experts: str = "int8", dtype=torch.float32, family: str = "llama", **convert):

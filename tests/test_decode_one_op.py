@@ -20,7 +20,7 @@ from hf_moe.decode_one_op import PLAN, DecodePlan, max_batch, one_op_reason
 from hf_moe.generation import decode_compile_config
 from hf_moe.ops import infer
 
-from conftest import random_ids, tiny_dense
+from conftest import random_ids, tiny_converted, tiny_dense
 
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the step's split of a layer's rows over threads
@@ -36,10 +36,7 @@ def _kernels():
         pytest.skip("the one-op step runs fp32 and bf16 experts on CPUs with AVX-512 BF16 or AVX2 only")
 
 
-def converted(model_type: str = "llama", seed: int = 0, **kwargs):
-    torch.manual_seed(seed)
-    dense = tiny_dense(model_type, seed=seed)
-    return hf_moe.convert_to_moe(dense, num_experts=4, top_k=2, noise=0.1, verify=False, **kwargs).eval()
+converted = tiny_converted
 
 
 EAGER = {"cache_implementation": "dynamic"}  # the eager model: a dynamic cache asked for, nothing else runs

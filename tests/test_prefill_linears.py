@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf_moe
 from hf_moe.ops.prefill_linears import LinearInferMode, linears_on_linear_infer
 
-from conftest import random_ids, tiny_dense
+from conftest import random_ids, tiny_converted
 
 
 def _extension():
@@ -62,12 +61,6 @@ def test_the_mode_is_entered_only_where_the_avx2_kernels_run():
     assert isinstance(mode, LinearInferMode) == (infer.kernel_isa() == "avx2")
 
 
-def _tiny_bf16_moe():
-    torch.manual_seed(0)
-    return hf_moe.convert_to_moe(tiny_dense("llama", seed=0), num_experts=4, top_k=2, noise=0.1,
-                                 verify=False).eval().to(torch.bfloat16)
-
-
 def _linear_infer_rows(run) -> list[int]:
     """The activation rows of every `hf_moe::linear_infer` call that `run()` makes."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -80,7 +73,7 @@ def test_a_bf16_models_prompt_runs_its_linear_layers_on_linear_infer_in_the_plai
     attention projection and the LM head with linear_infer (2 prompts of 12 tokens: 24 rows, the LM head on the last
     position of each: 2 rows), and gives the tokens of the eager loop."""
     _avx2_kernels()
-    moe = _tiny_bf16_moe()
+    moe = tiny_converted().to(torch.bfloat16)
     ids = random_ids(2, 12, seed=3)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4, min_new_tokens=4,
                   pad_token_id=0)
