@@ -27,13 +27,12 @@ import sys
 
 import torch
 
-from . import infer
+from . import infer, prefill_linears
 from .dense import experts_forward as dense_experts_forward
 from .activations import activation_key
 from .experts import REFERENCE, DispatchOps, run_experts
 from .reference import GROUPED_MM_WHY, KERNEL_ACTIVATIONS
 from .extension import backend_setting, load_extension
-from .prefill_linears import LinearInferMode, linears_on_linear_infer
 
 __all__ = [
     "BACKENDS", "REFERENCE", "autocast_cast", "backend_report", "cuda_default", "dispatch_ops", "expert_weights",
@@ -346,7 +345,7 @@ def _inference_row() -> tuple[str, str]:
 
 def _prompt_linears_row() -> tuple[str, str]:
     """(implementation, why) of a prompt's bf16 `nn.Linear`s in hf_moe's own generate loop (`prefill_linears`)."""
-    if isinstance(linears_on_linear_infer(), LinearInferMode):
+    if prefill_linears.applies():
         return ("hf_moe::linear_infer: the same bf16 values multiplied in fp32, rounded to bf16 once",
                 "avx2 kernels: ATen's bf16 GEMM has no fast path without AVX-512 BF16 (the plain generate's own loop "
                 "only; a forward of your own stays on ATen)")

@@ -55,10 +55,13 @@ def _takes(x, weight, bias) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
+def applies() -> bool:
+    """Whether a prompt's bf16 linears move to `linear_infer` here: the compiled extension loaded, on a CPU whose
+    inference kernels are the AVX2 ones (no AVX-512 BF16, so ATen's bf16 GEMM is the slow one)."""
+    return load_extension()[0] is not None and infer.kernel_isa() == "avx2"
+
+
 def linears_on_linear_infer() -> contextlib.AbstractContextManager:
-    """The mode to enter around a prompt's forward: `LinearInferMode` on a CPU whose inference kernels are the AVX2
-    ones (no AVX-512 BF16, so ATen's bf16 GEMM is the slow one) with the compiled extension loaded; elsewhere a
-    context that does nothing."""
-    if load_extension()[0] is None or infer.kernel_isa() != "avx2":
-        return contextlib.nullcontext()
-    return LinearInferMode()
+    """The mode to enter around a prompt's forward: `LinearInferMode` where it `applies`, elsewhere a context that
+    does nothing."""
+    return LinearInferMode() if applies() else contextlib.nullcontext()
