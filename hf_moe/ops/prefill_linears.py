@@ -1,8 +1,9 @@
 """The bf16 linear layers of a prompt's forward in hf_moe's own generate loop, on a CPU without AVX-512 BF16.
 
-There, ATen multiplies bf16 matrices at about a sixth of its fp32 rate (oneDNN's fast bf16 GEMM needs AVX-512), and
-a bf16 model's prompt spent a third of its forward in the attention's `nn.Linear`s: transformers' modules, which
-hf_moe neither replaces nor wraps (docs/serving-cpu.md, "A wider GEMM tile, and the prompt's linear layers").
+There, ATen multiplies bf16 matrices several times slower than fp32 ones (oneDNN's fast bf16 GEMM needs AVX-512), and
+a bf16 model's prompt spent much of its forward in the attention's `nn.Linear`s: transformers' modules, which hf_moe
+neither replaces nor wraps (docs/serving-cpu.md, "A wider GEMM tile, and the prompt's linear layers", has the
+figures).
 `linears_on_linear_infer` gives the loop (`generation.one_op_sample`) a torch function mode to enter around that one
 forward. Inside it, each `F.linear` of bf16 CPU tensors that needs no gradient runs `hf_moe::linear_infer`
 (csrc/cpu/decode_cpu.cpp): it multiplies the same bf16 values widened to fp32 in ATen's fp32 GEMM and rounds the
