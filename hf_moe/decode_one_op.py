@@ -34,8 +34,10 @@ all seen. Writes that torch does not count (through `.data`, or to the memory be
 are not; the plan reads most weights in place, so only its converted copies (a bf16 router's fp32 copy, biases
 cast to the activations' dtype) can go stale that way: `drop_plan(model)` discards the plan.
 
-The router calls ATen's own kernels, as the eager router does, and every other kernel is the compiled step's, so
-the scores differ from the eager model's by the same bf16 roundings as the compiled step's; the tests
+The router's logits run on hf_moe's dot kernels and its softmax in a loop (ATen's kernels, as the eager router calls
+them, cost several times their work there: a step's weights evict their code from the caches), and every other kernel
+is the compiled step's, so the scores differ from the eager model's by the order of fp32 sums and the same bf16
+roundings as the compiled step's; the tests
 (tests/test_decode_one_op.py, tests/test_decode_families.py) check the eager greedy tokens, where a near-tie of
 bf16 logits could go either way for either step.
 """

@@ -235,6 +235,35 @@ void linear_into(const LinearWeight& w, const at::Tensor& xc, c10::string_view k
   }
 }
 
+void linear_rows(const LinearWeight& w, const float* xf, const uint16_t* xb, int64_t n, c10::string_view kernels,
+                 float* out) {
+  const Kernels& kn = infer::infer_kernels(std::string(kernels));
+  const int64_t blocks = (w.out + kRowBlock - 1) / kRowBlock;
+  if (blocks < 2) {  // a router's few experts: no parallel region to open
+    linear_block(kn, w, xf, xb, n, 0, w.out, out, w.out);
+    return;
+  }
+#pragma omp parallel for num_threads(threads_for(blocks)) schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t r0 = blk * kRowBlock;
+    linear_block(kn, w, xf, xb, n, r0, std::min(kRowBlock, w.out - r0), out + r0, w.out);
+  }
+}
+
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, std::vector<float>& row,
+                   at::Tensor& out) {
+  const Values val{x.scalar_type() == at::kBFloat16};
+  const int64_t rows = x.size(0), h = x.size(1);
+  row.resize(h);
+  const void* in = x.data_ptr();
+  void* o = out.data_ptr();
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t i = 0; i < h; ++i) row[i] = val.load(in, b * h + i);
+    rms_norm(val, row.data(), h, weight.data_ptr(), static_cast<float>(eps), row.data());
+    for (int64_t i = 0; i < h; ++i) val.store(o, b * h + i, row[i]);
+  }
+}
+
 namespace {
 
 // ---------------------------------------------------------------------------------------------------------------

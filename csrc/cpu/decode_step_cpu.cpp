@@ -10,11 +10,11 @@
 // out), read in one place (`LayerPlan`, `DecodePlan`'s constructor) and checked there, once: the weights against
 // each other, the router cast to fp32 (hf_moe's routers; transformers' compute their logits in the activations'
 // dtype: `router_in_dtype`), the biases to the activations' dtype. A step only computes: the embedding row; per
-// layer the attention sub-block (attention_block, on the plan's workspace), then an MoE block (the eager router's
-// logits and fp32 softmax by ATen's kernels into the workspace, top-k, renormalisation and cast: moe_block; the
+// layer the attention sub-block (attention_block, on the plan's workspace), then an MoE block (the router's logits
+// on hf_moe's dot kernels and their fp32 softmax into the workspace, top-k, renormalisation and cast: moe_block; the
 // experts, moe_experts_infer_into on the plan's experts workspace; the shared experts, optionally gated, by the
 // kernels their eager modules call) or a dense MLP (DenseMLP, ATen's kernels: they allocate their results), and the
-// residual add; then the final norm (ATen's kernels into the workspace) and the LM head (linear_into). Per call it
+// residual add; then the final norm (rms_norm_rows, into the workspace) and the LM head (linear_into). Per call it
 // checks only what the call brings (ids, caches, mask). The plan's buffers are made for the largest batch seen and
 // reused, and allocate nothing once made; the logits a step returns are its one new tensor (the caller keeps them,
 // and threads may share the plan). One step runs at a time (a mutex). `cos` and `sin` are the rotary
@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -135,7 +136,7 @@ struct DenseMLP {
 struct LayerPlan {
   AttentionWeights attention;
   bool moe = false;  // an MoE block (router, experts, optional shared experts), else a dense MLP (`mlp`)
-  at::Tensor router;  // [E, H]: fp32, or the activations' dtype where `router_in_dtype`
+  LinearWeight router;  // [E, H]: fp32, or the activations' dtype where `router_in_dtype`; checked once
   bool router_in_dtype = false;  // logits in the activations' dtype (transformers' routers), else fp32 (hf_moe's)
   WeightView w1, w2;  // checked once (check_experts)
   at::Tensor b1, b2;  // fp32 (the activations' dtype's values, as the eager experts cast them), or undefined
@@ -165,16 +166,17 @@ struct LayerPlan {
     }
     const auto in_dtype = n.find("router_in_dtype");
     router_in_dtype = in_dtype != n.end() && in_dtype->value() != 0.0;
-    router = need(t, "router", i).to(router_in_dtype ? dt : at::kFloat).contiguous();
-    TORCH_CHECK(router.dim() == 2 && router.size(1) == attention.hidden && router.size(0) >= top_k,
+    const at::Tensor gate = need(t, "router", i).to(router_in_dtype ? dt : at::kFloat).contiguous();
+    TORCH_CHECK(gate.dim() == 2 && gate.size(1) == attention.hidden && gate.size(0) >= top_k,
                 "DecodePlan: layer ", i, "'s router weight must be [E, ", attention.hidden, "] with E >= top_k = ",
-                top_k, ", got ", router.sizes());
+                top_k, ", got ", gate.sizes());
+    router = linear_weight(gate, c10::nullopt, c10::nullopt, "DecodePlan (router)");
     const at::Tensor weight1 = need(t, "w1", i).contiguous(), weight2 = need(t, "w2", i).contiguous();
     const auto bias1 = cast(maybe(t, "b1"), dt), bias2 = cast(maybe(t, "b2"), dt);
-    TORCH_CHECK(weight1.dim() == 3 && weight2.dim() == 3 && weight1.size(0) == router.size(0) &&
-                    weight2.size(0) == router.size(0),
+    TORCH_CHECK(weight1.dim() == 3 && weight2.dim() == 3 && weight1.size(0) == router.out &&
+                    weight2.size(0) == router.out,
                 "DecodePlan: layer ", i, "'s experts must be w1 [E, W, ", attention.hidden, "] and w2 [E, ",
-                attention.hidden, ", I] for its ", router.size(0), " experts, got ", weight1.sizes(), " and ",
+                attention.hidden, ", I] for its ", router.out, " experts, got ", weight1.sizes(), " and ",
                 weight2.sizes());
     std::tie(w1, w2) = check_experts(weight1, maybe(t, "w1_scale"), bias1, weight2, maybe(t, "w2_scale"), bias2,
                                      attention.hidden, glu);
@@ -210,7 +212,7 @@ class DecodePlan : public torch::CustomClassHolder {
   void add_layer(Tensors tensors, Numbers numbers, Names names) {
     const int64_t i = static_cast<int64_t>(layers_.size());
     layers_.emplace_back(tensors, numbers, names, dtype_, i, top_k_, glu_);
-    if (layers_.back().moe) experts_ = std::max<int64_t>(experts_, layers_.back().router.size(0));
+    if (layers_.back().moe) experts_ = std::max<int64_t>(experts_, layers_.back().router.out);
     TORCH_CHECK(layers_.back().attention.hidden == embed_.size(1), "DecodePlan: layer ", i, " works on hidden size ",
                 layers_.back().attention.hidden, ", the embedding gives ", embed_.size(1));
   }
@@ -222,8 +224,7 @@ class DecodePlan : public torch::CustomClassHolder {
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<int64_t> out;
     for (const at::Tensor* t : {&hidden_, &attended_, &normed_, &cos_rows_, &sin_rows_, &index_, &weights_,
-                                &router_x_, &logits_, &probs_t_, &experts_out_, &final_h_, &final_sq_, &final_var_,
-                                &final_out_})
+                                &router_x_, &logits_, &experts_out_, &final_out_})
       out.push_back(t->defined() ? reinterpret_cast<int64_t>(t->data_ptr()) : 0);
     return out;
   }
@@ -258,15 +259,7 @@ class DecodePlan : public torch::CustomClassHolder {
       const at::Tensor out = layer.moe ? moe_block(layer, i) : (*layer.mlp)(normed_);
       add(attended_, out, hidden_);  // the next layer's input
     }
-    // The final norm as transformers' LlamaRMSNorm computes it, with ATen's kernels (the eager model's bits):
-    // weight * dtype(h * rsqrt(mean(h^2) + eps)), h = fp32(hidden), each into the workspace
-    final_h_.copy_(hidden_);
-    at::pow_out(final_sq_, final_h_, 2);
-    at::mean_out(final_var_, final_sq_, at::IntArrayRef{-1}, true);
-    final_var_.add_(final_eps_).rsqrt_();
-    at::mul_out(final_sq_, final_h_, final_var_);
-    final_out_.copy_(final_sq_);
-    at::mul_out(final_out_, final_norm_, final_out_);
+    rms_norm_rows(hidden_, final_norm_, final_eps_, row_, final_out_);  // the final norm, as the layers' norms
     if (batch > kLinearIntoRows)  // more rows than the decode kernels take: linear_infer's GEMM (it allocates)
       return linear_infer_cpu(final_out_, head_.weight, head_scale_, head_bias_, "auto").unsqueeze(1);
     at::Tensor logits = at::empty({batch, head_.out}, embed_.options());  // the step's result, the caller's to keep
@@ -283,19 +276,16 @@ class DecodePlan : public torch::CustomClassHolder {
     const auto f32 = options.dtype(at::kFloat);
     const int64_t h = embed_.size(1), d = layers_[0].attention.head_dim, e = std::max<int64_t>(experts_, 1);
     if (batch > capacity_) {
-      store_ = {at::empty({batch, h}, options),         at::empty({batch, h}, options),
-                at::empty({batch, h}, options),         at::empty({batch, d}, options),
-                at::empty({batch, d}, options),         at::empty({batch, top_k_}, options.dtype(at::kLong)),
-                at::empty({batch, top_k_}, f32),        at::empty({batch, h}, f32),
-                at::empty({batch * e}, f32),            at::empty({batch * e}, f32),
-                at::empty({batch * e}, options),        at::empty({batch, h}, options),
-                at::empty({batch, h}, f32),             at::empty({batch, h}, f32),
-                at::empty({batch, 1}, f32),             at::empty({batch, h}, options)};
+      store_ = {at::empty({batch, h}, options),  at::empty({batch, h}, options),
+                at::empty({batch, h}, options),  at::empty({batch, d}, options),
+                at::empty({batch, d}, options),  at::empty({batch, top_k_}, options.dtype(at::kLong)),
+                at::empty({batch, top_k_}, f32), at::empty({batch, h}, f32),
+                at::empty({batch * e}, f32),     at::empty({batch, h}, options),
+                at::empty({batch, h}, options)};
       capacity_ = batch;
     }
-    at::Tensor* views[] = {&hidden_,   &attended_,    &normed_,  &cos_rows_, &sin_rows_, &index_,
-                           &weights_,  &router_x_,    &logits_,  &probs_t_,  &logits_dt_, &experts_out_,
-                           &final_h_,  &final_sq_,    &final_var_, &final_out_};
+    at::Tensor* views[] = {&hidden_,  &attended_, &normed_, &cos_rows_,   &sin_rows_,  &index_,
+                           &weights_, &router_x_, &logits_, &experts_out_, &final_out_};
     for (size_t j = 0; j < store_.size(); ++j) {
       const at::Tensor& full = store_[j];
       *views[j] = full.dim() == 1 ? full : full.narrow(0, 0, batch);  // (flat ones: viewed per layer's experts)
@@ -305,36 +295,37 @@ class DecodePlan : public torch::CustomClassHolder {
     batch_ = batch;
   }
 
-  // [rows, experts] of a flat buffer (its first rows * experts values): the layer's router logits or probabilities.
-  static at::Tensor rows_of(const at::Tensor& flat, int64_t rows, int64_t experts) {
-    return flat.narrow(0, 0, rows * experts).view({rows, experts});
-  }
-
-  // The routed experts' output [B, H] for the MLP input normed_ [B, H], routed as the eager TopKRouter routes: fp32
-  // logits and their softmax by ATen's kernels (the eager router's own calls, so the same bits), the top k (the
-  // larger value first, the lower expert first among equal ones), divided by their sum where `norm_topk_prob`, cast
-  // to the activations' dtype.
+  // The routed experts' output [B, H] for the MLP input normed_ [B, H], routed as the eager TopKRouter routes: the
+  // router's logits (fp32 products of fp32 inputs: hf_moe's routers; of the activations' dtype, rounded to it:
+  // transformers'), their fp32 softmax, the top k (the larger value first, the lower expert first among equal ones),
+  // divided by their sum where `norm_topk_prob`, cast to the activations' dtype. The same values as the eager
+  // router's but for the order of the sums (hf_moe's dot kernels and a loop here, not ATen's GEMM and softmax, whose
+  // code a step's weights evict from the caches: calling them cost several times their work).
   at::Tensor moe_block(const LayerPlan& layer, int64_t i) {
-    const int64_t rows = normed_.size(0), experts = layer.router.size(0);
-    at::Tensor softmax = rows_of(probs_t_, rows, experts);
-    if (layer.router_in_dtype) {  // transformers' routers: softmax(float(x @ router^T)), the product in x's dtype
-      at::Tensor logits = rows_of(logits_dt_, rows, experts);
-      at::mm_out(logits, normed_, layer.router.t());
-      at::Tensor wide = rows_of(logits_, rows, experts);
-      wide.copy_(logits);
-      at::_softmax_out(softmax, wide, -1, false);
-    } else {  // hf_moe's TopKRouter: softmax(float(x) @ router^T), in fp32
-      const at::Tensor& x = dtype_ == at::kFloat ? normed_ : router_x_.copy_(normed_);
-      at::Tensor logits = rows_of(logits_, rows, experts);
-      at::mm_out(logits, x, layer.router.t());
-      at::_softmax_out(softmax, logits, -1, false);
-    }
+    const int64_t rows = normed_.size(0), experts = layer.router.out, hid = normed_.size(1);
     TORCH_CHECK(experts <= static_cast<int64_t>(probs_.size()), "DecodePlan: layer ", i, " has ", experts,
                 " experts, more than the plan's ", probs_.size());
-    int64_t* idx = index_.data_ptr<int64_t>();
     const bool bf16 = dtype_ == at::kBFloat16;
+    float* logits = logits_.data_ptr<float>();  // [rows, experts]
+    if (layer.router.dtype == at::kBFloat16) {  // transformers' router on bf16 activations: logits rounded to bf16
+      linear_rows(layer.router, nullptr, static_cast<const uint16_t*>(normed_.data_ptr()), rows, "auto", logits);
+      for (int64_t j = 0; j < rows * experts; ++j) logits[j] = static_cast<float>(at::BFloat16(logits[j]));
+    } else {  // fp32 products of fp32 inputs (bf16 activations widened exactly)
+      float* x = bf16 ? router_x_.data_ptr<float>() : normed_.data_ptr<float>();
+      if (bf16) {
+        const auto* in = static_cast<const at::BFloat16*>(normed_.data_ptr());
+        for (int64_t j = 0; j < rows * hid; ++j) x[j] = static_cast<float>(in[j]);
+      }
+      linear_rows(layer.router, x, nullptr, rows, "auto", logits);
+    }
+    int64_t* idx = index_.data_ptr<int64_t>();
+    float* routing = weights_.data_ptr<float>();
     for (int64_t b = 0; b < rows; ++b) {
-      std::copy_n(softmax.data_ptr<float>() + b * experts, experts, probs_.data());
+      const float* row = logits + b * experts;  // softmax: exp(l - max) / sum, in fp32
+      const float top = *std::max_element(row, row + experts);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < experts; ++e) sum += (probs_[e] = std::exp(row[e] - top));
+      for (int64_t e = 0; e < experts; ++e) probs_[e] /= sum;
       float total = 0.0f;
       for (int64_t j = 0; j < top_k_; ++j) {
         int64_t best = -1;
@@ -347,11 +338,11 @@ class DecodePlan : public torch::CustomClassHolder {
       }
       for (int64_t j = 0; j < top_k_; ++j) {  // rounded to the activations' dtype, as the eager experts get them
         const float w = norm_topk_prob_ ? top_[j] / total : top_[j];
-        weights_.data_ptr<float>()[b * top_k_ + j] = bf16 ? static_cast<float>(at::BFloat16(w)) : w;
+        routing[b * top_k_ + j] = bf16 ? static_cast<float>(at::BFloat16(w)) : w;
       }
     }
     at::Tensor& out = experts_out_;
-    moe_experts_infer_into(normed_, idx, weights_.data_ptr<float>(), top_k_, layer.w1, layer.b1, layer.w2, layer.b2,
+    moe_experts_infer_into(normed_, idx, routing, top_k_, layer.w1, layer.b1, layer.w2, layer.b2,
                            activation_, glu_, "auto", *experts_ws_, out);
     if (!layer.shared.has_value()) return out;
     // The shared experts as the eager block adds them: out + sigmoid(gate(x)) * shared(x), ATen's kernels
@@ -391,9 +382,9 @@ class DecodePlan : public torch::CustomClassHolder {
   // The workspace: buffers for the largest batch seen (store_), viewed for the last step's batch.
   int64_t batch_ = -1, capacity_ = 0;
   std::vector<at::Tensor> store_;
-  at::Tensor hidden_, attended_, normed_, cos_rows_, sin_rows_, index_, weights_, router_x_, logits_, probs_t_,
-      logits_dt_, experts_out_, final_h_, final_sq_, final_var_, final_out_;
-  std::vector<float> probs_, top_, widened_;
+  at::Tensor hidden_, attended_, normed_, cos_rows_, sin_rows_, index_, weights_, router_x_, logits_, experts_out_,
+      final_out_;
+  std::vector<float> probs_, top_, widened_, row_;
   AttentionWorkspace workspace_;
   ExpertsWorkspacePtr experts_ws_ = make_experts_workspace();
 };
