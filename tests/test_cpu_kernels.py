@@ -238,6 +238,51 @@ def test_avx512_and_portable_kernels_agree(compiled):
         torch.testing.assert_close(fast.float(), slow.float(), rtol=2**-7 if bf16 else 1e-5, atol=2**-7 if bf16 else 1e-5)
 
 
+def _one_value_each(gate: torch.Tensor, activation: str, routing: float, kernels: str) -> torch.Tensor:
+    """The experts op on one token whose gate values are `gate` [H] as they are: an identity gate projection, an up
+    projection of bias 1, an identity down projection, routed to the one expert with weight `routing`. So output c
+    is act(gate[c]) * 1 * routing, with nothing added but exact zeros, and each value shows the kernels' activation
+    (and in bf16, their rounding of it) alone."""
+    h, dtype = gate.numel(), gate.dtype
+    w1 = torch.cat([torch.eye(h), torch.zeros(h, h)])[None].to(dtype)
+    b1 = torch.cat([torch.zeros(h), torch.ones(h)])[None]
+    w2 = torch.eye(h)[None].to(dtype)
+    return torch.ops.hf_moe.moe_experts_infer(gate[None], torch.zeros(1, 1, dtype=torch.long),
+                                              torch.tensor([[routing]]), w1, None, b1, w2, None, None, activation,
+                                              True, kernels)[0]
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "relu2"])
+def test_activations_out_to_where_e_to_the_x_overflows(activation, kernels, compiled):
+    """The vectorized activations (their own e^x, in the AVX2 and AVX-512 sets) against fp64, value by value, from
+    where e^x underflows to where it overflows, on a length that leaves a tail of every kernel's lanes."""
+    ends = [-100.0, -88.5, -88.37, -87.4, -87.3, -50.0, -1e-3, 0.0, 1e-3, 50.0, 87.3, 87.4, 88.37, 88.5, 100.0]
+    gate = torch.tensor(ends + torch.linspace(-12, 12, 16).tolist())  # 31 values
+    g = gate.double()
+    expected = {"silu": lambda: g / (1 + torch.exp(-g)), "relu": lambda: torch.relu(g),
+                "relu2": lambda: torch.relu(g) ** 2,
+                "gelu_tanh": lambda: g / (1 + torch.exp(-2 * 0.7978845608028654 * (g + 0.044715 * g**3)))}[activation]()
+    # silu of -100 is -3.7e-42; a kernel's e^x stops at the largest float (-4e-37) or overflows (-0): atol takes both.
+    # GELU's 0.5 g (1 + tanh(y)) is g sigmoid(2y), the form the vectorized kernels and fp64 here compute; the portable
+    # kernel's 1 + tanh(y) in fp32 loses a small result's digits to cancellation.
+    portable = kernels == "portable" or torch.ops.hf_moe.infer_isa() == "portable"
+    atol = 1e-6 if activation == "gelu_tanh" and portable else 1e-30
+    torch.testing.assert_close(_one_value_each(gate, activation, 1.0, kernels).double(), expected, rtol=2e-6,
+                               atol=atol)
+
+
+@pytest.mark.parametrize("kernels", KERNEL_SETS)
+def test_bf16_rounding_breaks_ties_to_even(kernels, compiled):
+    """A bf16 value (8 significant bits) times 1.5 has 9: about half of them are an exact tie between two bf16 values,
+    and the kernels must round every one to the even one, as torch's .to(torch.bfloat16) does (here: the activations
+    before the down projection, which then passes them through exactly)."""
+    gate = (torch.randn(203, generator=torch.Generator().manual_seed(3)).abs() * 1e3).bfloat16()
+    exact = gate.float() * 1.5
+    assert (exact.view(torch.int32) & 0xFFFF == 0x8000).sum() > 50  # the ties are there
+    assert torch.equal(_one_value_each(gate, "relu", 1.5, kernels), exact.bfloat16())
+
+
 def test_infer_no_tokens_and_all_dropped(compiled):
     w1, b1, w2, b2 = _weights(4, 32, 32, True, True)
     empty = torch.ops.hf_moe.moe_experts_infer(torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.long),

@@ -124,9 +124,12 @@ def run_both(args, kernels="auto"):
     return (out, mine["k_cache"], mine["v_cache"]), (expected, theirs["k_cache"], theirs["v_cache"])
 
 
-BLOCK_CASES = [  # (kernels, dtype, variant): every variant on the fast kernels in both dtypes, a few portable
+BLOCK_CASES = [  # (kernels, dtype, variant): every variant on the fast kernels in both dtypes, a few AVX2 (the
+    # fast ones of a CPU without AVX-512) and portable
     *[("auto", dtype, variant) for dtype in (torch.float32, torch.bfloat16)
       for variant in ("llama", "qwen2_bias", "qwen3_qk_norm", "int8", "padded", "mha_long")],
+    ("avx2", torch.float32, "mha_long"), ("avx2", torch.bfloat16, "mha_long"), ("avx2", torch.bfloat16, "padded"),
+    ("avx2", torch.float32, "wide_head"), ("avx2", torch.bfloat16, "wide_head"), ("auto", torch.bfloat16, "wide_head"),
     ("portable", torch.float32, "padded"), ("portable", torch.bfloat16, "qwen3_qk_norm"),
     ("portable", torch.bfloat16, "int8"),
 ]
@@ -137,6 +140,8 @@ def test_decode_attention_block_matches_the_reference(kernels, dtype, variant):
     kwargs = dict(bias=variant == "qwen2_bias", qk_norm=variant == "qwen3_qk_norm", int8=variant == "int8")
     if variant == "mha_long":  # as many kv heads as q heads; a cache long enough for several chunks per head
         kwargs.update(kv_heads=4, length=300, position=250)
+    if variant == "wide_head":  # 74 = 64 + 8 + 2: every column loop of the kernels that weigh the value rows
+        kwargs.update(head_dim=74, length=40, position=30)
     args = block_args(dtype, **kwargs)
     if variant == "padded":  # left padding: row 0's first three positions are masked, and a free slot past the end
         mask = torch.arange(args["k_cache"].shape[2])[None].expand(2, -1) <= 7
@@ -151,7 +156,7 @@ def test_decode_attention_block_matches_the_reference(kernels, dtype, variant):
     torch.testing.assert_close(k, k_ref, **tolerance(dtype))
     torch.testing.assert_close(v, v_ref, **tolerance(dtype))
     untouched = torch.ones(k.shape[2], dtype=torch.bool)
-    untouched[7 if variant != "mha_long" else 250] = False
+    untouched[{"mha_long": 250, "wide_head": 30}.get(variant, 7)] = False
     assert torch.equal(k[:, :, untouched], args["k_cache"][:, :, untouched])
 
 

@@ -1,13 +1,16 @@
 // Inner kernels of decode attention (see decode_kernels.h): the softmax's exponentials and the weighted sum of value
-// rows. Portable C++, and AVX-512 compiled for that target function by function (simd_avx512.h).
+// rows. Portable C++, and AVX-512 and AVX2 compiled for those targets function by function (simd_avx512.h,
+// simd_avx2.h).
 
 #include "decode_kernels.h"
 #include "infer_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "simd_avx2.h"
 #include "simd_avx512.h"
 
 namespace hf_moe {
@@ -94,7 +97,76 @@ HF_AVX512 void accumulate_bf16_avx512(const float* p, int64_t n, const uint16_t*
 }
 #endif
 
+#ifdef HF_MOE_HAS_AVX2_KERNELS
+HF_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
+  const __m256 s = _mm256_set1_ps(shift), minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 sum = _mm256_setzero_ps();
+  float tail[8];
+  for (int64_t i = 0; i < n; i += 8) {
+    const bool whole = i + 8 <= n;  // the last few values go through a copy padded with -inf (masked: 0)
+    if (!whole) {
+      std::fill_n(tail, 8, -std::numeric_limits<float>::infinity());
+      std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    }
+    const __m256 v = _mm256_loadu_ps(whole ? x + i : tail);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(v, minus_inf, _CMP_GT_OQ), exp256(_mm256_sub_ps(v, s)));
+    _mm256_storeu_ps(whole ? x + i : tail, e);
+    if (!whole) std::memcpy(x + i, tail, (n - i) * sizeof(float));
+    sum = _mm256_add_ps(sum, e);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+HF_AVX2 inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
+HF_AVX2 inline __m256 load8(const uint16_t* v) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float load1(float v) { return v; }
+inline float load1(uint16_t v) { return bf16_to_float(v); }
+
+// Eight vectors (64 columns) of acc stay in registers while every row is added in, one FMA per value as the AVX-512
+// kernel adds them; the columns past the last multiple of eight, one fused multiply-add each.
+template <typename T>
+HF_AVX2 void accumulate_avx2(const float* p, int64_t n, const T* v, int64_t ldv, int64_t d, float* acc) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= d; c0 += 64) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) a[t] = _mm256_loadu_ps(acc + c0 + 8 * t);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const T* row = v + j * ldv + c0;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(pj, load8(row + 8 * t), a[t]);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) _mm256_storeu_ps(acc + c0 + 8 * t, a[t]);
+  }
+  for (; c0 + 8 <= d; c0 += 8) {
+    __m256 a = _mm256_loadu_ps(acc + c0);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * ldv + c0), a);
+    _mm256_storeu_ps(acc + c0, a);
+  }
+  for (; c0 < d; ++c0)
+    for (int64_t j = 0; j < n; ++j) acc[c0] = std::fma(p[j], load1(v[j * ldv + c0]), acc[c0]);
+}
+
+HF_AVX2 void accumulate_f32_avx2(const float* p, int64_t n, const float* v, int64_t ldv, int64_t d, float* acc) {
+  accumulate_avx2(p, n, v, ldv, d, acc);
+}
+
+HF_AVX2 void accumulate_bf16_avx2(const float* p, int64_t n, const uint16_t* v, int64_t ldv, int64_t d, float* acc) {
+  accumulate_avx2(p, n, v, ldv, d, acc);
+}
+#endif
+
 const AttentionKernels kPortable{"portable", exp_sum_portable, accumulate_f32_portable, accumulate_bf16_portable};
+#ifdef HF_MOE_HAS_AVX2_KERNELS
+const AttentionKernels kAvx2{"avx2", exp_sum_avx2, accumulate_f32_avx2, accumulate_bf16_avx2};
+#endif
 #ifdef HF_MOE_HAS_AVX512_KERNELS
 const AttentionKernels kAvx512Table{"avx512_bf16", exp_sum_avx512, accumulate_f32_avx512, accumulate_bf16_avx512};
 const AttentionKernels* const kAvx512 = &kAvx512Table;
@@ -105,6 +177,9 @@ const AttentionKernels* const kAvx512 = nullptr;
 }  // namespace
 
 const AttentionKernels& attention_kernels(const std::string& name) {
+#ifdef HF_MOE_HAS_AVX2_KERNELS
+  if (!avx512_kernels(name) && avx2_kernels(name)) return kAvx2;
+#endif
   return pick_kernels(name, kPortable, kAvx512);
 }
 

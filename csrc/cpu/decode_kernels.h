@@ -1,5 +1,6 @@
 // Inner kernels of one token's attention over a KV cache (decode_cpu.cpp), one set per instruction set like
-// infer_kernels.h: AVX-512 where the CPU has it (with BF16), portable C++ elsewhere; picked once at run time.
+// infer_kernels.h: AVX-512 where the CPU has it (with BF16), else AVX2 where it has that (with FMA), else portable C++;
+// picked at run time.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +10,7 @@ namespace hf_moe {
 namespace infer {
 
 struct AttentionKernels {
-  const char* isa;  // "avx512_bf16" or "portable"
+  const char* isa;  // "avx512_bf16", "avx2" or "portable"
   // x[i] = exp(x[i] - shift) for i < n, 0 where x[i] is -inf (a masked position); returns the sum of the results.
   float (*exp_sum)(float* x, int64_t n, float shift);
   // acc[c] += sum over j < n of p[j] * v[j * ldv + c], for c < d: fp32 rows of v, or bf16 rows (as their bits).
@@ -17,7 +18,7 @@ struct AttentionKernels {
   void (*accumulate_bf16)(const float* p, int64_t n, const uint16_t* v, int64_t ldv, int64_t d, float* acc);
 };
 
-// The best kernels for this CPU; "portable" forces the portable ones (tests), "auto" picks.
+// The best kernels for this CPU; "portable" or "avx2" forces that set (tests), "auto" picks.
 const AttentionKernels& attention_kernels(const std::string& name = "auto");
 
 }  // namespace infer

@@ -118,9 +118,13 @@ void to_bf16_portable(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16_bits(src[i]);
 }
 
+}  // namespace
+
 void activate_portable(const float* g, const float* u, float scale, int64_t n, Activation act, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = act_scalar(g[i], act) * (u ? u[i] : 1.0f) * scale;
 }
+
+namespace {
 
 void gemm_f32_portable(const float* w, int64_t ldw, int cols, const float* packed, int64_t ld, int64_t rows,
                        int64_t k, float* out, int64_t ldo) {
@@ -441,19 +445,20 @@ const Kernels* const kAvx512 = &kAvx512Table;
 const Kernels* const kAvx512 = nullptr;
 #endif
 #ifdef HF_MOE_HAS_AVX2_KERNELS
-// AVX2 for the kernels that do one operation per weight per token, and for dequantizing to fp32 (a prefill's, on
-// such a CPU: infer_cpu.cpp); the portable ones for the rest.
+// AVX2 for the kernels that do one operation per weight per token, for dequantizing to fp32 (a prefill's, on such a
+// CPU: infer_cpu.cpp), and for the activations and the rounding to bf16 (their scalar loops showed in a decode
+// step's profile: docs/serving-cpu.md); the portable one for dequantizing to bf16.
 const Kernels kAvx2Table{"avx2",           12,
                          dot_f32_avx2,     dot_bf16_avx2,         dot_q8_avx2,      dequant_f32_avx2,
-                         dequant_bf16_portable, to_bf16_portable, gemm_f32_avx2,    gemm_bf16_avx2,
-                         activate_portable};
+                         dequant_bf16_portable, to_bf16_avx2,     gemm_f32_avx2,    gemm_bf16_avx2,
+                         activate_avx2};
 const Kernels* const kAvx2 = &kAvx2Table;
 #else
 const Kernels* const kAvx2 = nullptr;
 #endif
 
-// Whether `name` picks the AVX2 set where AVX-512 is not picked: "auto" or "avx2" on a CPU with AVX2 and FMA (the
-// name "avx2" is an error on a CPU without them).
+}  // namespace
+
 bool avx2_kernels(const std::string& name) {
 #ifdef HF_MOE_HAS_AVX2_KERNELS
   static const bool avx2 = cpu_has_avx2_fma();
@@ -462,8 +467,6 @@ bool avx2_kernels(const std::string& name) {
   TORCH_CHECK(name != "avx2", "hf_moe: this CPU lacks AVX2 with FMA; use the 'auto' or 'portable' kernels");
   return false;
 }
-
-}  // namespace
 
 bool avx512_kernels(const std::string& name) {
   if (name == "portable" || name == "avx2") return false;

@@ -61,6 +61,13 @@ struct Kernels {
 // The best kernels for this CPU; `name` "portable" or "avx2" forces that set (tests, benchmarks), "auto" picks.
 const Kernels& infer_kernels(const std::string& name = "auto");
 
+// Whether `name` picks the AVX2 set where the AVX-512 one is not picked: "auto" or "avx2" on a CPU with AVX2 and FMA
+// (the name "avx2" is an error on a CPU without them).
+bool avx2_kernels(const std::string& name);
+
+// The portable activations (Kernels::activate): the reference, and what the AVX2 and AVX-512 sets run for erf GELU.
+void activate_portable(const float* g, const float* u, float scale, int64_t n, Activation act, float* out);
+
 // Whether the kernel set `name` names is the AVX-512 one: "auto" on a CPU with AVX-512 BF16, or "avx512_bf16"
 // (an error on a CPU without it); false for "portable" and "avx2"; an error for any other name.
 bool avx512_kernels(const std::string& name);

@@ -9,17 +9,14 @@
 
 #include "infer_kernels_avx2.h"
 #include "infer_kernels.h"
+#include "simd_avx2.h"
 
 #ifdef HF_MOE_HAS_AVX2_KERNELS
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#define HF_AVX2 __attribute__((target("avx2,fma")))
 
 namespace hf_moe {
 namespace infer {
@@ -200,6 +197,40 @@ float* wide_scratch(int64_t floats) {
   return buffer.data();
 }
 
+// act(g) on eight lanes, with act512's operations (infer_kernels.cpp): erf GELU is not here (the portable kernel).
+HF_AVX2 inline __m256 act256(__m256 g, Activation act) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  switch (act) {
+    case Activation::Silu:  // g * sigmoid(g)
+      return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    case Activation::GeluTanh: {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), y = sqrt(2/pi) (g + 0.044715 g^3)
+      const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+      const __m256 y2 = _mm256_mul_ps(_mm256_set1_ps(-2.0f * 0.7978845608028654f),
+                                      _mm256_fmadd_ps(g3, _mm256_set1_ps(0.044715f), g));
+      return _mm256_div_ps(g, _mm256_add_ps(one, exp256(y2)));
+    }
+    case Activation::Relu: return _mm256_max_ps(g, _mm256_setzero_ps());
+    case Activation::Relu2: {
+      const __m256 r = _mm256_max_ps(g, _mm256_setzero_ps());
+      return _mm256_mul_ps(r, r);
+    }
+    default: return g;
+  }
+}
+
+// Eight fp32 lanes to bf16 bits, rounded to nearest even (NaN stays NaN, made quiet), as c10::BFloat16 rounds.
+HF_AVX2 inline __m128i bf16_of(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  const __m256i high = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  // (packus works within each 128-bit half: the two halves' four values are then brought together)
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08));
+}
+
 }  // namespace
 
 bool cpu_has_avx2_fma() {
@@ -272,6 +303,37 @@ HF_AVX2 void gemm_bf16_avx2(const uint16_t* w, int64_t ldw, int cols, const uint
       for (int64_t m0 = 0; m0 < rows; m0 += 16)
         gemm_tile<decltype(n)::value>(wide, k, packed, ld, m0, rows, out + j0, ldo);
     });
+  }
+}
+
+HF_AVX2 void to_bf16_avx2(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16_of(_mm256_loadu_ps(src + i)));
+  if (i == n) return;
+  float tail[8] = {};
+  uint16_t bits[8];
+  std::memcpy(tail, src + i, (n - i) * sizeof(float));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(bits), bf16_of(_mm256_loadu_ps(tail)));
+  std::memcpy(dst + i, bits, (n - i) * sizeof(uint16_t));
+}
+
+HF_AVX2 void activate_avx2(const float* g, const float* u, float scale, int64_t n, Activation act, float* out) {
+  if (act == Activation::Gelu) {
+    activate_portable(g, u, scale, n, act, out);
+    return;
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  float tail_g[8] = {}, tail_u[8] = {}, tail_out[8];
+  for (int64_t i = 0; i < n; i += 8) {
+    const bool whole = i + 8 <= n;  // the last few values go through a zero-padded copy
+    if (!whole) {
+      std::memcpy(tail_g, g + i, (n - i) * sizeof(float));
+      if (u) std::memcpy(tail_u, u + i, (n - i) * sizeof(float));
+    }
+    __m256 v = _mm256_mul_ps(act256(_mm256_loadu_ps(whole ? g + i : tail_g), act), s);
+    if (u) v = _mm256_mul_ps(v, _mm256_loadu_ps(whole ? u + i : tail_u));
+    _mm256_storeu_ps(whole ? out + i : tail_out, v);
+    if (!whole) std::memcpy(out + i, tail_out, (n - i) * sizeof(float));
   }
 }
 

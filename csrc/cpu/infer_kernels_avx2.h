@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "../activation.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HF_MOE_HAS_AVX2_KERNELS 1
 
@@ -29,6 +31,8 @@ void gemm_f32_avx2(const float* w, int64_t ldw, int cols, const float* packed, i
                    float* out, int64_t ldo);
 void gemm_bf16_avx2(const uint16_t* w, int64_t ldw, int cols, const uint16_t* packed, int64_t ld, int64_t rows,
                     int64_t k, float* out, int64_t ldo);
+void to_bf16_avx2(const float* src, int64_t n, uint16_t* dst);
+void activate_avx2(const float* g, const float* u, float scale, int64_t n, Activation act, float* out);
 
 }  // namespace infer
 }  // namespace hf_moe
