@@ -1,9 +1,9 @@
-// The AVX2 (with FMA) kernels of infer_kernels.h's `Kernels`: the dot products and GEMMs, compiled in
-// infer_kernels_avx2.cpp for that target function by function. `infer_kernels` puts them in the table it picks on a
-// CPU with AVX2 and FMA but not AVX-512 BF16, beside the portable kernels for the rest (dequantizing to bf16, the
-// activations: a few operations per weight, once per call, where the dot products and GEMMs do one per weight per
-// token). Dequantizing to fp32 is here too: a prefill on such a CPU computes int8 experts in fp32 (infer_cpu.cpp),
-// and dequantizes each weight block once per call.
+// The AVX2 (with FMA) kernels of infer_kernels.h's `Kernels`: the dot products and GEMMs, the activations and the
+// rounding to bf16, compiled in infer_kernels_avx2.cpp for that target function by function. `infer_kernels` puts
+// them in the table it picks on a CPU with AVX2 and FMA but not AVX-512 BF16, beside the portable kernel for
+// dequantizing to bf16, which such a CPU does not run (infer_cpu.cpp: int8 experts compute in fp32 in a prefill, and
+// by dot products on fp32 inputs in a decode). Dequantizing to fp32 is here: the prefill dequantizes each weight
+// block once per call.
 #pragma once
 
 #include <cstdint>
