@@ -118,9 +118,10 @@ void linear_into(const LinearWeight& w, const at::Tensor& x, c10::string_view ke
                  at::Tensor& out);
 constexpr int64_t kLinearIntoRows = 16;
 
-// The fp32 outputs x . w_o (+ bias) of a checked weight (`linear_weight`) for n <= 16 activation rows, into out
-// [n, O] (fp32, row-major): x as fp32 rows `xf` [n, K] for fp32 and int8 weights, as bf16 bits `xb` [n, K] for bf16
-// weights (the other may be null). A weight of at most 16 rows (a router's experts) runs on the calling thread.
+// The fp32 outputs x . w_o (+ bias) of a checked weight (`linear_weight`) for n activation rows, into out [n, O] (fp32,
+// row-major), on the dot kernels (each weight row read once for all n: made for a decode's few rows): x as fp32 rows
+// `xf` [n, K] for fp32 and int8 weights, as bf16 bits `xb` [n, K] for bf16 weights (the other may be null). A weight
+// of at most 16 rows (a router's experts) runs on the calling thread.
 void linear_rows(const LinearWeight& w, const float* xf, const uint16_t* xb, int64_t n, c10::string_view kernels,
                  float* out);
 
