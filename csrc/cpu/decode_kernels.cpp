@@ -114,23 +114,14 @@ HF_AVX2 float exp_sum_avx2(float* x, int64_t n, float shift) {
     if (!whole) std::memcpy(x + i, tail, (n - i) * sizeof(float));
     sum = _mm256_add_ps(sum, e);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  return hsum(sum);
 }
-
-HF_AVX2 inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
-HF_AVX2 inline __m256 load8(const uint16_t* v) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float load1(float v) { return v; }
-inline float load1(uint16_t v) { return bf16_to_float(v); }
 
 // Eight vectors (64 columns) of acc stay in registers while every row is added in, one FMA per value as the AVX-512
 // kernel adds them; the columns past the last multiple of eight, one fused multiply-add each.
-template <typename T>
-HF_AVX2 void accumulate_avx2(const float* p, int64_t n, const T* v, int64_t ldv, int64_t d, float* acc) {
+// L: how the value rows load (simd_avx2.h's F32 or BF16).
+template <class L>
+HF_AVX2 void accumulate_avx2(const float* p, int64_t n, const typename L::T* v, int64_t ldv, int64_t d, float* acc) {
   int64_t c0 = 0;
   for (; c0 + 64 <= d; c0 += 64) {
     __m256 a[8];
@@ -138,28 +129,28 @@ HF_AVX2 void accumulate_avx2(const float* p, int64_t n, const T* v, int64_t ldv,
     for (int t = 0; t < 8; ++t) a[t] = _mm256_loadu_ps(acc + c0 + 8 * t);
     for (int64_t j = 0; j < n; ++j) {
       const __m256 pj = _mm256_set1_ps(p[j]);
-      const T* row = v + j * ldv + c0;
+      const typename L::T* row = v + j * ldv + c0;
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(pj, load8(row + 8 * t), a[t]);
+      for (int t = 0; t < 8; ++t) a[t] = _mm256_fmadd_ps(pj, L::load8(row + 8 * t), a[t]);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) _mm256_storeu_ps(acc + c0 + 8 * t, a[t]);
   }
   for (; c0 + 8 <= d; c0 += 8) {
     __m256 a = _mm256_loadu_ps(acc + c0);
-    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v + j * ldv + c0), a);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), L::load8(v + j * ldv + c0), a);
     _mm256_storeu_ps(acc + c0, a);
   }
   for (; c0 < d; ++c0)
-    for (int64_t j = 0; j < n; ++j) acc[c0] = std::fma(p[j], load1(v[j * ldv + c0]), acc[c0]);
+    for (int64_t j = 0; j < n; ++j) acc[c0] = std::fma(p[j], L::one(v[j * ldv + c0]), acc[c0]);
 }
 
 HF_AVX2 void accumulate_f32_avx2(const float* p, int64_t n, const float* v, int64_t ldv, int64_t d, float* acc) {
-  accumulate_avx2(p, n, v, ldv, d, acc);
+  accumulate_avx2<F32>(p, n, v, ldv, d, acc);
 }
 
 HF_AVX2 void accumulate_bf16_avx2(const float* p, int64_t n, const uint16_t* v, int64_t ldv, int64_t d, float* acc) {
-  accumulate_avx2(p, n, v, ldv, d, acc);
+  accumulate_avx2<BF16>(p, n, v, ldv, d, acc);
 }
 #endif
 

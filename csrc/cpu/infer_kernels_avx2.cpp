@@ -22,42 +22,6 @@ namespace hf_moe {
 namespace infer {
 namespace {
 
-// How each element type loads: eight values as fp32 lanes, and one as a float (the tails).
-struct F32 {
-  using T = float;
-  HF_AVX2 static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static float one(float v) { return v; }
-};
-
-struct BF16 {  // bf16 bits: the upper half of an fp32
-  using T = uint16_t;
-  HF_AVX2 static __m256 load8(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static float one(uint16_t b) {
-    const uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-};
-
-struct Q8 {
-  using T = int8_t;
-  HF_AVX2 static __m256 load8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static float one(int8_t v) { return static_cast<float>(v); }
-};
-
-HF_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // sum_c x[c] * w[c] for c < n: four sums of eight lanes (four FMAs in flight), added at the end.
 template <class LX, class LW>
 HF_AVX2 inline float dot(const typename LX::T* x, const typename LW::T* w, int64_t n) {

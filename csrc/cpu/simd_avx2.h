@@ -1,5 +1,6 @@
-// What the AVX2 kernels of several files share: the target attribute and e^x (infer_kernels_avx2.cpp, the
-// activations; decode_kernels.cpp, the softmax of decode attention).
+// What the AVX2 kernels of several files share: the target attribute, the loads of each element type, the horizontal
+// sum, and e^x (infer_kernels_avx2.cpp: the dot products, GEMMs and activations; decode_kernels.cpp: decode
+// attention's softmax and weighted sum of values).
 //
 // Everything here has internal linkage (an anonymous namespace), so a copy compiled for AVX2 in one file is never
 // merged by the linker with code a CPU without AVX2 runs. Callers check `cpu_has_avx2_fma()` once before any AVX2
@@ -12,11 +13,51 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <cstring>
+
 #define HF_AVX2 __attribute__((target("avx2,fma")))
 
 namespace hf_moe {
 namespace infer {
 namespace {
+
+// How each element type loads: eight values as fp32 lanes, and one as a float (the tails).
+struct F32 {
+  using T = float;
+  HF_AVX2 static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static float one(float v) { return v; }
+};
+
+struct BF16 {  // bf16 bits: the upper half of an fp32
+  using T = uint16_t;
+  HF_AVX2 static __m256 load8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static float one(uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+};
+
+struct Q8 {
+  using T = int8_t;
+  HF_AVX2 static __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static float one(int8_t v) { return static_cast<float>(v); }
+};
+
+// The sum of the eight lanes.
+HF_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // 2^e for integer lanes -126 <= e <= 127, as an fp32 (its exponent field).
 HF_AVX2 inline __m256 pow2_256(__m256i e) {
