@@ -157,6 +157,14 @@ void rms_norm(const Values& val, const float* x, int64_t n, const void* w, float
   for (int64_t i = 0; i < n; ++i) y[i] = val.round(val.load(w, i) * val.round(x[i] * r));
 }
 
+// rms_norm of row b of `in` [., h] (the model's dtype) into row b of `out`, through `row` (h floats of scratch).
+void rms_norm_row(const Values& val, const void* in, int64_t b, int64_t h, const void* w, float eps, float* row,
+                  void* out) {
+  for (int64_t i = 0; i < h; ++i) row[i] = val.load(in, b * h + i);
+  rms_norm(val, row, h, w, eps, row);
+  for (int64_t i = 0; i < h; ++i) val.store(out, b * h + i, row[i]);
+}
+
 at::Tensor dequantized(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
   if (scale.dim() == 1) return (q.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
   const int64_t groups = scale.size(1);
@@ -253,15 +261,10 @@ void linear_rows(const LinearWeight& w, const float* xf, const uint16_t* xb, int
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, std::vector<float>& row,
                    at::Tensor& out) {
   const Values val{x.scalar_type() == at::kBFloat16};
-  const int64_t rows = x.size(0), h = x.size(1);
+  const int64_t h = x.size(1);
   row.resize(h);
-  const void* in = x.data_ptr();
-  void* o = out.data_ptr();
-  for (int64_t b = 0; b < rows; ++b) {
-    for (int64_t i = 0; i < h; ++i) row[i] = val.load(in, b * h + i);
-    rms_norm(val, row.data(), h, weight.data_ptr(), static_cast<float>(eps), row.data());
-    for (int64_t i = 0; i < h; ++i) val.store(o, b * h + i, row[i]);
-  }
+  for (int64_t b = 0; b < x.size(0); ++b)
+    rms_norm_row(val, x.data_ptr(), b, h, weight.data_ptr(), static_cast<float>(eps), row.data(), out.data_ptr());
 }
 
 namespace {
@@ -574,11 +577,8 @@ void attention_block(const AttentionWeights& w, const at::Tensor& hidden, const 
     }
     // 7. The MLP's input: RMSNorm of the new hidden state.
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < b_rows; ++b) {
-      for (int64_t i = 0; i < h; ++i) row[i] = val.load(out_h, b * h + i);
-      rms_norm(val, row, h, post_norm.data_ptr(), static_cast<float>(post_eps), row);
-      for (int64_t i = 0; i < h; ++i) val.store(out_n, b * h + i, row[i]);
-    }
+    for (int64_t b = 0; b < b_rows; ++b)
+      rms_norm_row(val, out_h, b, h, post_norm.data_ptr(), static_cast<float>(post_eps), row, out_n);
   }
 }
 
