@@ -32,6 +32,7 @@
 #include "../hf_moe.h"
 #include "decode_kernels.h"
 #include "decode_ops.h"
+#include "decode_values.h"
 #include "infer_kernels.h"
 
 namespace hf_moe {
@@ -131,40 +132,6 @@ void linear_block(const Kernels& kn, const LinearWeight& w, const float* xf, con
   }
 }
 
-inline float bf16_round(float v) { return static_cast<float>(c10::BFloat16(v)); }
-
-inline uint16_t bf16_bits(float v) { return c10::BFloat16(v).x; }
-
-// The activations of the model, read and written as fp32 values: every value written is rounded to the dtype.
-struct Values {
-  bool bf16;
-  float round(float v) const { return bf16 ? bf16_round(v) : v; }
-  float load(const void* p, int64_t i) const {
-    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(p)[i]) : static_cast<const float*>(p)[i];
-  }
-  void store(void* p, int64_t i, float v) const {
-    if (bf16) static_cast<c10::BFloat16*>(p)[i] = c10::BFloat16(v);
-    else static_cast<float*>(p)[i] = v;
-  }
-};
-
-// RMSNorm as transformers' Llama computes it: y = w * dtype(x * rsqrt(mean(x^2) + eps)), each product rounded.
-// x: n values (fp32, already of the dtype), w: the norm's weight (the model's dtype).
-void rms_norm(const Values& val, const float* x, int64_t n, const void* w, float eps, float* y) {
-  float ss = 0.0f;
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = val.round(val.load(w, i) * val.round(x[i] * r));
-}
-
-// rms_norm of row b of `in` [., h] (the model's dtype) into row b of `out`, through `row` (h floats of scratch).
-void rms_norm_row(const Values& val, const void* in, int64_t b, int64_t h, const void* w, float eps, float* row,
-                  void* out) {
-  for (int64_t i = 0; i < h; ++i) row[i] = val.load(in, b * h + i);
-  rms_norm(val, row, h, w, eps, row);
-  for (int64_t i = 0; i < h; ++i) val.store(out, b * h + i, row[i]);
-}
-
 at::Tensor dequantized(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
   if (scale.dim() == 1) return (q.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
   const int64_t groups = scale.size(1);
@@ -256,15 +223,6 @@ void linear_rows(const LinearWeight& w, const float* xf, const uint16_t* xb, int
     const int64_t r0 = blk * kRowBlock;
     linear_block(kn, w, xf, xb, n, r0, std::min(kRowBlock, w.out - r0), out + r0, w.out);
   }
-}
-
-void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, std::vector<float>& row,
-                   at::Tensor& out) {
-  const Values val{x.scalar_type() == at::kBFloat16};
-  const int64_t h = x.size(1);
-  row.resize(h);
-  for (int64_t b = 0; b < x.size(0); ++b)
-    rms_norm_row(val, x.data_ptr(), b, h, weight.data_ptr(), static_cast<float>(eps), row.data(), out.data_ptr());
 }
 
 namespace {

@@ -125,12 +125,6 @@ constexpr int64_t kLinearIntoRows = 16;
 void linear_rows(const LinearWeight& w, const float* xf, const uint16_t* xb, int64_t n, c10::string_view kernels,
                  float* out);
 
-// RMSNorm of each row of x [B, H] with weight [H] (both of the model's dtype, contiguous) into out [B, H], as the
-// attention sub-block normalises: Llama's roundings, y = w * dtype(x * rsqrt(mean(x^2) + eps)), the sum of squares
-// in fp32 in input order. `row` is the caller's scratch (H floats once grown).
-void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, std::vector<float>& row,
-                   at::Tensor& out);
-
 at::Tensor moe_experts_infer_cpu(const at::Tensor& hidden_states, const at::Tensor& top_k_index,
                                  const at::Tensor& top_k_weights, const at::Tensor& w1,
                                  const c10::optional<at::Tensor>& w1_scale, const c10::optional<at::Tensor>& b1,

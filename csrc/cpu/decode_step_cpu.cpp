@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "decode_ops.h"
+#include "decode_values.h"
 
 namespace hf_moe {
 namespace {
@@ -64,6 +65,17 @@ double number(const Numbers& n, const std::string& name, int64_t layer) {
 c10::optional<at::Tensor> cast(const c10::optional<at::Tensor>& t, at::ScalarType dt) {
   if (!t.has_value()) return c10::nullopt;
   return t->to(dt).contiguous();
+}
+
+// RMSNorm of each row of x [B, H] with weight [H] (both of the model's dtype, contiguous) into out [B, H], as the
+// attention sub-block normalises: Llama's roundings, the sum of squares in fp32 in input order. `row`: scratch.
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, std::vector<float>& row,
+                   at::Tensor& out) {
+  const Values val{x.scalar_type() == at::kBFloat16};
+  const int64_t h = x.size(1);
+  row.resize(h);
+  for (int64_t b = 0; b < x.size(0); ++b)
+    rms_norm_row(val, x.data_ptr(), b, h, weight.data_ptr(), static_cast<float>(eps), row.data(), out.data_ptr());
 }
 
 std::string name_of(const Names& n, const std::string& name, int64_t layer) {
