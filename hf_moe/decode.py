@@ -290,7 +290,8 @@ class DecodeStep:
             say(self.model, choice)
             if self.huge_pages and not self.decided and choice.engine in (ONE_OP, ATTENTION_BLOCK):
                 self.huge_page_bytes = back_with_huge_pages([*self.model.parameters(), *self.model.buffers()])
-            decided = self.decided[batch] = (choice, plan_for(self.model) if choice.engine == ONE_OP else None)
+            plan = plan_for(self.model, self.huge_pages) if choice.engine == ONE_OP else None
+            decided = self.decided[batch] = (choice, plan)
         return decided
 
     def _decode_call(self, kwargs: dict) -> tuple | None:

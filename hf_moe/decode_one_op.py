@@ -31,8 +31,9 @@ changed (`fingerprint`: each tensor's identity, storage address, dtype, shape an
 it read), so quantizing, loading weights (`load_state_dict` copies in place: the versions change), `model.to(...)`,
 replaced modules and in-place edits of the weights (`weight.mul_(2)`, `copy_`) between two `generate` calls are
 all seen. Writes that torch does not count (through `.data`, or to the memory behind a tensor from outside torch)
-are not; the plan reads most weights in place, so only its converted copies (a bf16 router's fp32 copy, biases
-cast to the activations' dtype) can go stale that way: `drop_plan(model)` discards the plan.
+are not; the plan reads the experts, embeddings and LM head in place, so only its copies can go stale that way: the
+layers' small weights, copied onto huge pages (`DecodePlan`'s `huge_pages`), and its converted ones (a bf16
+router's fp32 copy, biases cast to the activations' dtype). `drop_plan(model)` discards the plan.
 
 The router's logits run on hf_moe's dot kernels and its softmax in a loop (ATen's kernels, as the eager router calls
 them, cost several times their work there: a step's weights evict their code from the caches), and every other kernel
@@ -48,6 +49,7 @@ import threading
 
 import torch
 
+from .huge_pages import copies_on_huge_pages
 from .layers.block import SharedExperts, SparseMoeBlock
 from .layers.experts import Experts
 from .layers.quantized import QuantizedExperts
@@ -290,9 +292,13 @@ def fingerprint(fields: list[tuple]) -> tuple:
 class DecodePlan:
     """The one-op decode step of `model` (`one_op_reason(model)` must be None): its fields read and validated once,
     the workspace reused across steps. Call it as `DecodeStep.forward`: (input_ids [B, 1], position_ids
-    [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V]."""
+    [B, 1], mask [B, L] bool or None, cache `static_cache_layers`'s list) -> logits [B, 1, V].
 
-    def __init__(self, model, fields: list[tuple] | None = None):
+    With `huge_pages` (the default; `decode_compile_config(huge_pages=False)` says no), the layers' small weights are
+    read from copies on huge pages (`copies`: the buffer holding them, or None): the attention sub-block read its
+    weights through 4 KiB pages otherwise (docs/serving-cpu.md, "Small weights on huge pages")."""
+
+    def __init__(self, model, fields: list[tuple] | None = None, huge_pages: bool = True):
         if load_extension()[0] is None:  # registers torch.classes.hf_moe.DecodePlan
             raise RuntimeError("the one-op decode step needs hf_moe's compiled extension (`python -m hf_moe.env` "
                                "says why it is not loaded)")
@@ -305,7 +311,15 @@ class DecodePlan:
         self.rotary_emb, self.device = backbone.rotary_emb, backbone.embed_tokens.weight.device
         self.dtype = backbone.embed_tokens.weight.dtype
         (tensors, settings), layers = fields[0], fields[1:]
-        self.settings = settings
+        self.settings, self.huge_pages, self.copies = settings, huge_pages, None
+        if huge_pages:
+            # The layers' small weights (the attention sub-block's, the routers', the norms') as copies on huge
+            # pages (hf_moe.huge_pages.copies_on_huge_pages): in their own storages most of their bytes stay on 4
+            # KiB pages, and a step streams them all. At most an eighth of the weights is copied.
+            weights = sum(t.numel() * t.element_size() for group, *_ in fields for t in group.values()
+                          if t is not None)
+            copied, self.copies = copies_on_huge_pages([group for group, *_ in layers], budget=weights // 8)
+            layers = [(group, *rest) for group, (_, *rest) in zip(copied, layers)]
         self.rotary = None  # (cache length, cos [L, D], sin [L, D])
         self.op = torch.classes.hf_moe.DecodePlan(
             _present(tensors), {"final_eps": float(settings["final_eps"])}, settings["top_k"],
@@ -336,16 +350,21 @@ def _present(tensors: dict) -> dict:
     return {name: t for name, t in tensors.items() if t is not None}
 
 
-def plan_for(model) -> DecodePlan:
-    """The model's plan, built on first use and again whenever what it read has changed (`fingerprint`)."""
+def plan_for(model, huge_pages: bool = True) -> DecodePlan:
+    """The model's plan, built on first use and again whenever what it read has changed (`fingerprint`) or
+    `huge_pages` differs from the plan's (`DecodePlan`)."""
     fields = _fields(model)
+
+    def current(plan) -> bool:
+        return plan is not None and plan.huge_pages == huge_pages and plan.key == fingerprint(fields)
+
     plan = model.__dict__.get(PLAN)
-    if plan is None or plan.key != fingerprint(fields):
+    if not current(plan):
         with _BUILDING:
             plan = model.__dict__.get(PLAN)
-            if plan is None or plan.key != fingerprint(fields):
+            if not current(plan):
                 model.__dict__.pop(PLAN, None)  # the old plan's weights go before the new plan is built
-                plan = DecodePlan(model, fields)
+                plan = DecodePlan(model, fields, huge_pages)
                 model.__dict__[PLAN] = plan
     return plan
 

@@ -11,6 +11,11 @@ unless asked. `back_with_huge_pages` asks for the 2 MiB-aligned interior of each
 pages now, by the kernel copying them). Contents, addresses and sharing do not change; where the kernel declines
 (an older kernel, huge pages disabled, memory it cannot collapse), the pages stay as they were. The first call on a
 model's weights pays for that copy (its cost per GiB is in docs/serving-cpu.md); later calls find them done.
+
+A storage smaller than a few huge pages keeps most of its bytes outside any 2 MiB-aligned range: the quickstart's
+attention weights (1.7 MiB a layer, in four tensors) stay on 4 KiB pages however they are asked. `copies_on_huge_pages`
+gives such tensors copies side by side in one buffer asked onto huge pages before its first write; the one-op step
+(hf_moe.decode_one_op) reads its layers' small weights there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
+SMALL = 4 * HUGE_PAGE  # a storage under this keeps a large share of its bytes on 4 KiB pages (module docstring)
+ALIGN = 64  # each copy of `copies_on_huge_pages` starts on a cache line
 
 
 @functools.cache
@@ -62,3 +69,50 @@ def back_with_huge_pages(tensors) -> int:
         if madvise(first, end - first, MADV_COLLAPSE) == 0:
             done += end - first
     return done
+
+
+def copies_on_huge_pages(groups: list[dict], budget: int) -> tuple[list[dict], torch.Tensor | None]:
+    """Copies of the small tensors of `groups` (dicts of name -> tensor or None) side by side in one buffer on huge
+    pages (module docstring), and that buffer (None: nothing copied). A tensor is copied if it is a contiguous CPU
+    tensor whose storage is under `SMALL` bytes, while the copies fit in `budget` bytes; one tensor named twice gets
+    one copy. The other tensors, and every tensor where huge pages are not offered (off Linux, or disabled), are
+    returned as they were.
+
+    The copies are the caller's: they do not follow later writes to the originals, and need no gradient."""
+    madvise = _madvise() if offered() else None
+    chosen: dict[int, torch.Tensor] = {}
+    used = 0
+    for group in groups if madvise is not None else ():
+        for t in group.values():
+            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and id(t) not in chosen
+                    and t.untyped_storage().nbytes() < SMALL and used + _padded(t) <= budget):
+                chosen[id(t)] = t
+                used += _padded(t)
+    if not chosen:
+        return groups, None
+    buffer = torch.empty(used + HUGE_PAGE, dtype=torch.uint8)
+    start = buffer.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    madvise(first, used, MADV_HUGEPAGE)  # before the first write: its page faults take huge pages
+    offset, copies = first - start, {}
+    with torch.no_grad():
+        for key, t in chosen.items():
+            nbytes = t.numel() * t.element_size()
+            copies[key] = buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            offset += _padded(t)
+    madvise(first, used // HUGE_PAGE * HUGE_PAGE, MADV_COLLAPSE)  # whatever faulted in as 4 KiB pages after all
+    return [{name: copies.get(id(t), t) for name, t in group.items()} for group in groups], buffer
+
+
+@functools.cache
+def offered() -> bool:
+    """Whether this kernel offers transparent huge pages (sysfs says so, and not `never`)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _padded(t: torch.Tensor) -> int:
+    return -(-t.numel() * t.element_size() // ALIGN) * ALIGN

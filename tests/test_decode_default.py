@@ -237,6 +237,7 @@ def test_the_plan_is_rebuilt_when_the_weights_change_and_only_then(plans):
     edits = [
         lambda m: m.model.layers[1].mlp.gate.weight.mul_(-3.0),  # the router: the plan's fp32 copy must follow
         lambda m: m.lm_head.weight.mul_(2.0),
+        lambda m: m.model.layers[0].self_attn.v_proj.weight.mul_(-2.0),  # the plan reads a copy on huge pages
         lambda m: m.model.layers[2].mlp.experts.down_proj_scale.mul_(0.5),
         lambda m: m.to(torch.bfloat16),
     ]

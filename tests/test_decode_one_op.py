@@ -206,6 +206,45 @@ def test_weights_asked_onto_huge_pages_keep_their_values_and_addresses():
         assert done >= 2 * HUGE_PAGE
 
 
+def test_the_plan_reads_the_layers_small_weights_from_copies_on_huge_pages_with_the_same_logits():
+    """The plan copies its layers' small weights (attention, routers, norms) side by side into one buffer asked onto
+    huge pages, the budget allowing (an eighth of the weights), and its logits equal those of a plan that reads every
+    weight in place; `huge_pages=False` copies nothing. The model's own weights are untouched."""
+    from transformers import StaticCache
+
+    from hf_moe.compat import cache_kwargs, static_cache_layers
+    from hf_moe.huge_pages import SMALL, copies_on_huge_pages, offered
+
+    if not offered():
+        pytest.skip("this kernel offers no transparent huge pages: nothing is copied")
+    moe = converted().to(torch.bfloat16)
+    before = {name: (t.data_ptr(), t.clone()) for name, t in moe.state_dict().items()}
+    copied, in_place = DecodePlan(moe), DecodePlan(moe, huge_pages=False)
+    assert in_place.copies is None
+    attention = moe.model.layers[0].self_attn
+    small = [t for t in moe.parameters() if t.untyped_storage().nbytes() < SMALL]
+    total = sum(t.numel() * t.element_size() for t in moe.parameters())
+    assert copied.copies is not None and 0 < copied.copies.numel() <= total // 8 + SMALL // 2
+    assert attention.q_proj.weight.untyped_storage().nbytes() < SMALL and len(small) > 4
+    for name, t in moe.state_dict().items():  # the copies are the plan's
+        assert t.data_ptr() == before[name][0] and torch.equal(t, before[name][1]), name
+
+    def logits(plan):
+        cache = StaticCache(config=moe.config, max_cache_len=16)
+        with torch.no_grad():
+            moe(random_ids(2, 5, seed=3), use_cache=True, **cache_kwargs(cache))
+        return plan(torch.tensor([[7], [9]]), torch.tensor([[5], [5]]), None, static_cache_layers(cache))
+
+    assert torch.equal(logits(copied), logits(in_place))
+    # a tensor named twice is copied once; one past the budget, or too large, stays where it was
+    a, b, big = torch.randn(8, 8), torch.randn(4), torch.randn(SMALL // 4)
+    groups, buffer = copies_on_huge_pages([{"a": a, "b": b}, {"a": a, "big": big, "none": None}], budget=256 + 63)
+    assert groups[0]["a"] is groups[1]["a"] and groups[1]["big"] is big and groups[1]["none"] is None
+    assert groups[0]["b"] is b  # `a` took 256 bytes; `b` needs 64 (a cache line)
+    assert torch.equal(groups[0]["a"], a) and groups[0]["a"].data_ptr() != a.data_ptr()
+    assert buffer.data_ptr() <= groups[0]["a"].data_ptr() < buffer.data_ptr() + buffer.numel()
+
+
 @pytest.mark.subprocess
 def test_the_huge_pages_benchmark_runs_and_prints_its_table(tmp_path):
     """benchmarks/huge_pages.py on a tiny saved model: both copies decode, the table is printed."""

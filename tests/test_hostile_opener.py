@@ -329,6 +329,7 @@ NOT_CHECKPOINT_FILES = {
     ("hf_moe/gpu_check/runner.py", "output.read_text(errors="): "reads back a step's output file (--out)",
     ("hf_moe/gpu_check/runner.py", 'open(log, "a")'): "appends to gpu_check's logs.txt (--out)",
     ("hf_moe/forkserver.py", 'open("/proc/self/maps")'): "this process's memory map (the OpenBLAS libraries loaded)",
+    ("hf_moe/huge_pages.py", 'open("/sys/kernel/mm/transparent_hugepage/enabled")'): "the kernel's huge-page setting",
     ("hf_moe/forkserver.py", "os.open(os.devnull"): "/dev/null, as a forked child's stdin",
     ("hf_moe/forkserver.py", 'os.open(request["output"]'): "writes a forked child's stdout (a file its caller names)",
     ("hf_moe/forkserver.py", 'os.open(request["errors"]'): "writes a forked child's stderr (a file its caller names)",

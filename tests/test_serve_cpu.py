@@ -1,5 +1,6 @@
 """benchmarks/serve_cpu.py runs end to end at a tiny scale (`--smoke`: a tiny random MoE, its native export, eager
-and compiled decoding in fp32, no llama.cpp; tests/test_decode.py compiles bf16) and prints its tables; its llama.cpp pieces say why they are skipped."""
+and compiled decoding in fp32, no llama.cpp; tests/test_decode.py compiles bf16) and prints its tables; its llama.cpp
+pieces say why they are skipped; its page-cache re-read and huge-page count work on their own."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def test_serve_cpu_smoke_prints_every_table(tmp_path):
     for name in ("hf_moe fp32 eager", "hf_moe fp32 compiled", "native fp32 eager", "native fp32 compiled"):
         assert f"| {name} |" in out, out
     assert "decode tok/s (median step)" in out and "prefill 16 tok/s" in out and "loss nats/byte" in out
+    assert "on 2 MiB pages, MiB of RSS" in out
     assert "No llama.cpp contestant" in out
     assert (tmp_path / "tables.md").read_text().strip() == out.strip()
     results = json.loads((tmp_path / "serve_cpu_results.json").read_text())
@@ -38,6 +40,28 @@ def test_serve_cpu_smoke_prints_every_table(tmp_path):
         assert results[name]["runs"][0]["tokens"] == fp32["runs"][0]["tokens"], name
     assert abs(results["native fp32 eager"]["loss"] - fp32["loss"]) < 1e-4
     assert 0 < fp32["loss"] < 10 and fp32["peak_rss"] > 0
+    huge, rss = fp32["huge_pages"]
+    assert 0 <= huge <= rss and rss > 0
+
+
+def test_a_gguf_is_read_afresh_unchanged_and_a_process_s_huge_pages_are_counted(tmp_path):
+    """`reread` (before llama.cpp maps a GGUF) leaves the file as it was and in the page cache; `huge_page_bytes`
+    reads a live process's smaps_rollup: what it maps with 2 MiB pages, at most its RSS."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serve_cpu
+    finally:
+        sys.path.remove(str(BENCH))
+    path = tmp_path / "model.gguf"
+    data = os.urandom(3 << 20)
+    path.write_bytes(data)
+    serve_cpu.reread(str(path))
+    assert path.read_bytes() == data
+    counted = serve_cpu.huge_page_bytes(os.getpid())
+    if sys.platform.startswith("linux"):
+        huge, rss = counted
+        assert 0 <= huge <= rss and rss > 0
+    assert serve_cpu.huge_page_bytes(2**22 + 7) is None  # no such process
 
 
 def test_llamacpp_is_skipped_with_a_reason_without_node(tmp_path, monkeypatch):
