@@ -1,4 +1,5 @@
-"""The one-op decode step with its weights on 4 KiB pages and on transparent huge pages, side by side (hf_moe.huge_pages).
+"""The one-op decode step with its weights on 4 KiB pages and on transparent huge pages, side by side
+(hf_moe.huge_pages).
 
     python benchmarks/huge_pages.py --model smollm2-moe-work/smollm2-moe-8x-top2 [--int8 all] [--steps 600]
 

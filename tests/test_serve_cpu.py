@@ -45,8 +45,8 @@ def test_serve_cpu_smoke_prints_every_table(tmp_path):
 
 
 def test_a_gguf_is_read_afresh_unchanged_and_a_process_s_huge_pages_are_counted(tmp_path):
-    """`reread` (before llama.cpp maps a GGUF) leaves the file as it was and in the page cache; `huge_page_bytes`
-    reads a live process's smaps_rollup: what it maps with 2 MiB pages, at most its RSS."""
+    """`reread` (before llama.cpp maps a GGUF) drops the file from the page cache and reads it back, unchanged;
+    `huge_page_bytes` reads a live process's smaps_rollup: what it maps with 2 MiB pages, at most its RSS."""
     sys.path.insert(0, str(BENCH))
     try:
         import serve_cpu
