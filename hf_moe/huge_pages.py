@@ -100,7 +100,7 @@ def copies_on_huge_pages(groups: list[dict], budget: int) -> tuple[list[dict], t
             nbytes = t.numel() * t.element_size()
             copies[key] = buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
             offset += _padded(t)
-    madvise(first, used // HUGE_PAGE * HUGE_PAGE, MADV_COLLAPSE)  # whatever faulted in as 4 KiB pages after all
+    back_with_huge_pages([buffer])  # whatever faulted in as 4 KiB pages after all
     return [{name: copies.get(id(t), t) for name, t in group.items()} for group in groups], buffer
 
 
