@@ -130,8 +130,8 @@ def reread(path: str) -> None:
     """Drop `path` from the page cache and read it back in one sequential pass, before llama.cpp maps it.
 
     llama.cpp reads its weights through the page cache (mmap). Where the kernel keeps a file in large folios, its
-    mapping takes 2 MiB pages (FilePmdMapped), and llama.cpp decodes faster: 27.1 tok/s with 192 MiB of the 1.3 GiB
-    f16 GGUF so mapped, 31.0 with all of it (docs/serving-cpu.md, "llama.cpp and the page cache"). What a file gets
+    mapping takes 2 MiB pages (FilePmdMapped), and llama.cpp decodes faster (measured in docs/serving-cpu.md,
+    "llama.cpp and the page cache"). What a file gets
     depends on how its pages came in: pages read back one by one after the kernel reclaimed them come back small. A
     fresh sequential read gives llama.cpp its best case; the table's huge-page column shows what it got."""
     if not hasattr(os, "posix_fadvise"):
