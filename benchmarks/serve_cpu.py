@@ -131,9 +131,9 @@ def reread(path: str) -> None:
 
     llama.cpp reads its weights through the page cache (mmap). Where the kernel keeps a file in large folios, its
     mapping takes 2 MiB pages (FilePmdMapped), and llama.cpp decodes faster (measured in docs/serving-cpu.md,
-    "llama.cpp and the page cache"). What a file gets
-    depends on how its pages came in: pages read back one by one after the kernel reclaimed them come back small. A
-    fresh sequential read gives llama.cpp its best case; the table's huge-page column shows what it got."""
+    "llama.cpp and the page cache"). What a file gets depends on how its pages came in: pages read back one by one
+    after the kernel reclaimed them come back small. A fresh sequential read gives llama.cpp its best case; the
+    table's huge-page column shows what it got."""
     if not hasattr(os, "posix_fadvise"):
         return
     fd = os.open(path, os.O_RDONLY)
